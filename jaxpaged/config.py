@@ -1,0 +1,96 @@
+"""Model configuration: a frozen dataclass built from a Hugging Face config dict."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (``rope_type == "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
+        """Build from a ``config.json`` dict of a Llama-architecture model."""
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type", "llama")
+        if model_type not in ("llama", "mistral") and not any("Llama" in a for a in archs):
+            raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures={archs}")
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        scaling = None
+        rs = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        if rs is not None:
+            rope_type = rs.get("rope_type", rs.get("type"))
+            rope_theta = rope_theta if rope_theta is not None else rs.get("rope_theta")
+            if rope_type == "llama3":
+                scaling = RopeScaling(
+                    factor=float(rs["factor"]),
+                    low_freq_factor=float(rs["low_freq_factor"]),
+                    high_freq_factor=float(rs["high_freq_factor"]),
+                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                )
+            elif rope_type not in (None, "default"):
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: none, llama3)")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=int(num_heads),
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def smollm2_135m(cls) -> LlamaConfig:
+        """SmolLM2-135M(-Instruct): the embedded default model."""
+        return cls(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+            num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+            tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
+        )
