@@ -50,10 +50,16 @@ class LlamaConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in ("llama", "mistral") and not any("Llama" in a for a in archs):
             raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures={archs}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (Llama uses 'silu')")
+        for bias in ("attention_bias", "mlp_bias"):
+            if d.get(bias):
+                raise ValueError(f"unsupported {bias}=True (Llama projections have no bias)")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         scaling = None
-        rs = d.get("rope_scaling")
+        # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters.
+        rs = d.get("rope_scaling") or d.get("rope_parameters")
         rope_theta = d.get("rope_theta")
         if rs is not None:
             rope_type = rs.get("rope_type", rs.get("type"))

@@ -1,0 +1,147 @@
+"""Llama in Flax NNX, run over the paged KV pool.
+
+The model does not own the KV cache: ``Llama.__call__`` takes the pool and explicit
+attention metadata and returns ``(logits, new_pool)``. Layers are stacked along a
+leading axis and run with ``lax.scan`` so compile time does not grow with depth; the
+pool is part of the scan carry, so each layer updates it in place.
+
+Tokens of all sequences of a step are flattened along one axis ``T`` (no batch axis).
+Letters in einsum strings: T tokens, D model dim, N query heads, K KV heads, H head dim,
+F MLP dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxpaged.attention import AttentionMetadata, paged_attention
+from jaxpaged.config import LlamaConfig
+from jaxpaged.kv_cache import KVPool, write_kv
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies of RoPE, with Llama-3 frequency-dependent scaling when configured."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: Float[Array, "T N H"], positions: Int[Array, "T"], inv_freq: Float[Array, "H/2"]):
+    """Rotate-half RoPE (the Hugging Face Llama convention), computed in float32."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(x, weight, eps: float):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, fan_in: int):
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) / math.sqrt(fan_in))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        D, N, K, H, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        self.input_norm = nnx.Param(jnp.ones((D,), dtype))
+        self.wq = _param(rngs, (D, N, H), dtype, D)
+        self.wk = _param(rngs, (D, K, H), dtype, D)
+        self.wv = _param(rngs, (D, K, H), dtype, D)
+        self.wo = _param(rngs, (N, H, D), dtype, N * H)
+        self.post_attn_norm = nnx.Param(jnp.ones((D,), dtype))
+        self.w_gate = _param(rngs, (D, F), dtype, D)
+        self.w_up = _param(rngs, (D, F), dtype, D)
+        self.w_down = _param(rngs, (F, D), dtype, F)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, attention_backend: str = "reference",
+                 rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.attention_backend = attention_backend
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+
+        self.layers = make_layers(rngs)  # every parameter has a leading [num_layers] axis
+        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.lm_head = None if cfg.tie_word_embeddings else _param(
+            rngs, (cfg.hidden_size, cfg.vocab_size), dtype, cfg.hidden_size)
+
+    @property
+    def dtype(self):
+        return self.embed[...].dtype
+
+    def __call__(
+        self,
+        tokens: Int[Array, "T"],
+        kv: KVPool,
+        md: AttentionMetadata,
+        logits_indices: Int[Array, "S"] | None = None,
+    ) -> tuple[Float[Array, "S V"], KVPool]:
+        """Run one step. Returns logits at ``logits_indices`` (all tokens when None) and the new pool."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        backend = self.attention_backend
+        x = self.embed[...][tokens]  # [T, D]
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def layer_fn(carry, xs):
+            x, kv = carry
+            state, layer = xs
+            p = nnx.merge(layer_def, state)
+            with jax.named_scope("attention"):
+                h = rms_norm(x, p.input_norm[...], eps)
+                q = jnp.einsum("TD,DNH->TNH", h, p.wq[...])
+                k = jnp.einsum("TD,DKH->TKH", h, p.wk[...])
+                v = jnp.einsum("TD,DKH->TKH", h, p.wv[...])
+                q = apply_rope(q, md.positions, inv_freq)
+                k = apply_rope(k, md.positions, inv_freq)
+                kv = write_kv(kv, layer, k, v, md.slot_mapping)
+                o = paged_attention(q, kv, layer, md, scale=scale, backend=backend)
+                x = x + jnp.einsum("TNH,NHD->TD", o, p.wo[...])
+            with jax.named_scope("mlp"):
+                h = rms_norm(x, p.post_attn_norm[...], eps)
+                g = jnp.einsum("TD,DF->TF", h, p.w_gate[...])
+                u = jnp.einsum("TD,DF->TF", h, p.w_up[...])
+                x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, p.w_down[...])
+            return (x, kv), None
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layer_state, layers))
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = rms_norm(x, self.final_norm[...], eps)
+        if self.lm_head is None:
+            logits = jnp.einsum("SD,VD->SV", x, self.embed[...])
+        else:
+            logits = jnp.einsum("SD,DV->SV", x, self.lm_head[...])
+        return logits.astype(jnp.float32), kv

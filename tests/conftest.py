@@ -1,0 +1,36 @@
+import os
+
+import pytest
+
+# Keep XLA:CPU from grabbing every core per test process and from preallocating.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,
+            max_position_embeddings=256)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def make_tiny_hf(folder, *, tie: bool, llama3: bool, seed: int = 0):
+    """A random Llama saved with save_pretrained; returns the torch model (float32, eval)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=tie, rope_scaling=LLAMA3_SCALING if llama3 else None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF inits norms to ones; randomise them so they are really tested
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session", params=[(t, r) for t in (True, False) for r in (False, True)],
+                ids=["tied-default", "tied-llama3", "untied-default", "untied-llama3"])
+def tiny_hf(request, tmp_path_factory):
+    tie, llama3 = request.param
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param_index}")
+    return folder, make_tiny_hf(folder, tie=tie, llama3=llama3)

@@ -1,0 +1,35 @@
+"""A trivial allocator for tests: sequence i owns consecutive blocks, after the null block."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.attention import AttentionMetadata
+
+
+def step_metadata(cached: list[int], new: list[int], *, block_size: int, blocks_per_seq: int,
+                  pad_tokens: int = 0, pad_seqs: int = 0) -> AttentionMetadata:
+    """Metadata for one step where sequence i has ``cached[i]`` tokens in the pool and adds ``new[i]``.
+
+    Sequence i owns blocks ``1 + i * blocks_per_seq ...``; ``pad_tokens`` / ``pad_seqs``
+    append padding the way the engine's batch builder does.
+    """
+    S = len(cached)
+    positions, slots, qsl = [], [], [0]
+    for i, (c, n) in enumerate(zip(cached, new)):
+        pos = np.arange(c, c + n)
+        positions.append(pos)
+        slots.append((1 + i * blocks_per_seq + pos // block_size) * block_size + pos % block_size)
+        qsl.append(qsl[-1] + n)
+    positions.append(np.zeros(pad_tokens, np.int64))
+    slots.append(np.zeros(pad_tokens, np.int64))  # padding writes into the null block
+    tables = 1 + np.arange(S)[:, None] * blocks_per_seq + np.arange(blocks_per_seq)[None, :]
+    tables = np.concatenate([tables, np.zeros((pad_seqs, blocks_per_seq), np.int64)])
+    ctx = np.array([c + n for c, n in zip(cached, new)] + [0] * pad_seqs)
+    qsl = np.array(qsl + [qsl[-1]] * pad_seqs)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)
+    return AttentionMetadata(
+        positions=i32(np.concatenate(positions)), slot_mapping=i32(np.concatenate(slots)),
+        block_tables=i32(tables), context_lens=i32(ctx), query_start_loc=i32(qsl),
+    )
