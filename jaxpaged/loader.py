@@ -5,8 +5,8 @@ one table of regexes maps each name to a parameter of :class:`jaxpaged.model.Lla
 a transform. Every name and shape is checked and all problems are raised together, so a
 model is never silently partial.
 
-The Orbax cache: dequantizing a GGUF takes a while, so the converted float32 params are
-saved once under ``$JAXPAGED_CACHE_DIR`` (default ``~/.cache/jaxpaged``) in a folder keyed
+The Orbax cache: dequantizing a GGUF takes a while, so the converted float32 params (and
+the tokenizer built from the GGUF's metadata) are saved once under ``$JAXPAGED_CACHE_DIR`` (default ``~/.cache/jaxpaged``) in a folder keyed
 by the source file's path, size and modification time. A changed source gets a new key; a
 cache that fails to restore is deleted and rebuilt. Clear it by deleting the folder;
 bypass it with ``use_cache=False``.
@@ -222,7 +222,7 @@ def cache_path_for(source: Path, cache_dir: str | Path | None = None) -> Path:
     return _cache_root(cache_dir) / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _save_cache(path: Path, config: dict, params: dict) -> None:
+def _save_cache(path: Path, config: dict, params: dict, tokenizer) -> None:
     import orbax.checkpoint as ocp
 
     if path.exists():
@@ -231,12 +231,14 @@ def _save_cache(path: Path, config: dict, params: dict) -> None:
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(path / "params", params)
     ckpt.wait_until_finished()
+    tokenizer.save_pretrained(str(path / "tokenizer"))
     # Written last: its presence marks a complete cache.
     (path / "meta.json").write_text(json.dumps({"format": CACHE_FORMAT, "config": config}))
 
 
-def _restore_cache(path: Path) -> tuple[dict, dict] | None:
+def _restore_cache(path: Path):
     import orbax.checkpoint as ocp
+    from transformers import PreTrainedTokenizerFast
 
     meta_file = path / "meta.json"
     if not meta_file.is_file():
@@ -248,16 +250,17 @@ def _restore_cache(path: Path) -> tuple[dict, dict] | None:
         cfg = LlamaConfig.from_hf(meta["config"])
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32), _abstract_params(cfg))
         params = ocp.StandardCheckpointer().restore(path / "params", target)
-        return meta["config"], params
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer"))
+        return meta["config"], params, tokenizer
     except Exception as e:  # noqa: BLE001 - any failure means a stale or corrupt cache
-        log.warning("jaxpaged: params cache %s is unusable (%s); rebuilding it", path, e)
+        log.warning("jaxpaged: cache %s is unusable (%s); rebuilding it", path, e)
         shutil.rmtree(path, ignore_errors=True)
         return None
 
 
-def load_gguf_params(path: Path, *, use_cache: bool = True, cache_dir: str | Path | None = None) -> tuple[dict, dict]:
-    """HF config dict and converted params of a GGUF file, through the Orbax cache."""
-    from jaxpaged.gguf_loader import read_gguf
+def load_gguf(path: Path, *, use_cache: bool = True, cache_dir: str | Path | None = None):
+    """HF config dict, converted params and tokenizer of a GGUF file, through the Orbax cache."""
+    from jaxpaged.gguf_loader import read_gguf, tokenizer_from_gguf
 
     cache = cache_path_for(path, cache_dir) if use_cache else None
     if cache is not None:
@@ -267,12 +270,13 @@ def load_gguf_params(path: Path, *, use_cache: bool = True, cache_dir: str | Pat
     config, tensors = read_gguf(path)
     params = convert_hf_tensors(LlamaConfig.from_hf(config), tensors, path)
     del tensors
+    tokenizer = tokenizer_from_gguf(path)
     if cache is not None:
         try:
-            _save_cache(cache, config, params)
+            _save_cache(cache, config, params, tokenizer)
         except OSError as e:
-            log.warning("jaxpaged: could not write params cache %s (%s)", cache, e)
-    return config, params
+            log.warning("jaxpaged: could not write cache %s (%s)", cache, e)
+    return config, params, tokenizer
 
 
 def load_model(
@@ -307,11 +311,8 @@ def load_model(
         del tensors
         tokenizer = _load_hf_tokenizer(path)
     elif path.suffix.lower() == ".gguf":
-        from jaxpaged.gguf_loader import tokenizer_from_gguf
-
-        config, params = load_gguf_params(path, use_cache=use_cache, cache_dir=cache_dir)
+        config, params, tokenizer = load_gguf(path, use_cache=use_cache, cache_dir=cache_dir)
         cfg = LlamaConfig.from_hf(config)
-        tokenizer = tokenizer_from_gguf(path)
     else:
         raise ValueError(f"{path}: not a model folder or a .gguf file")
     return LoadedModel(build_model(cfg, params, dtype=dtype, attention_backend=attention_backend),

@@ -94,6 +94,13 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(
             rngs, (cfg.hidden_size, cfg.vocab_size), dtype, cfg.hidden_size)
 
+    def with_backend(self, attention_backend: str) -> Llama:
+        """The same weights (shared, not copied) behind another attention backend."""
+        graphdef, state = nnx.split(self)
+        model = nnx.merge(graphdef, state)
+        model.attention_backend = attention_backend
+        return model
+
     @property
     def dtype(self):
         return self.embed[...].dtype

@@ -34,3 +34,35 @@ def tiny_hf(request, tmp_path_factory):
     tie, llama3 = request.param
     folder = tmp_path_factory.mktemp(f"tiny-{request.param_index}")
     return folder, make_tiny_hf(folder, tie=tie, llama3=llama3)
+
+
+@pytest.fixture(scope="session")
+def smollm_first_load(tmp_path_factory):
+    """The default model loaded once per session through a fresh Orbax cache: (LoadedModel, seconds, cache dir)."""
+    import time
+
+    from jaxpaged.loader import load_model
+
+    cache = tmp_path_factory.mktemp("jaxpaged-cache")
+    t = time.perf_counter()
+    lm = load_model(cache_dir=cache, attention_backend="reference")
+    return lm, time.perf_counter() - t, cache
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_first_load):
+    return smollm_first_load[0]
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """transformers' own GGUF loader on the same file, float32: (model, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxpaged.default_model import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, tok

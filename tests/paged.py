@@ -33,3 +33,17 @@ def step_metadata(cached: list[int], new: list[int], *, block_size: int, blocks_
         positions=i32(np.concatenate(positions)), slot_mapping=i32(np.concatenate(slots)),
         block_tables=i32(tables), context_lens=i32(ctx), query_start_loc=i32(qsl),
     )
+
+
+def jit_forward(model):
+    """The model's forward, jitted with its params as arguments (not baked-in constants)."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(state, tokens, kv, md, logits_indices):
+        return nnx.merge(graphdef, state)(tokens, kv, md, logits_indices)
+
+    return lambda tokens, kv, md, logits_indices=None: fwd(state, tokens, kv, md, logits_indices)

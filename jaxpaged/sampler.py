@@ -1,0 +1,295 @@
+"""Sampling the next token of every sequence in a step, on device.
+
+The pipeline follows vLLM v1's sampler, row by row with each row's own parameters:
+
+1. raw log-probs: ``log_softmax`` of the model's logits, before anything below (vLLM's
+   default ``logprobs_mode="raw_logprobs"``); the sampled token's log-prob and rank and
+   the ``num_logprobs`` most likely tokens are reported from these;
+2. ``process_logits``: add ``logit_bias``; set EOS and ``stop_token_ids`` to -inf while
+   the output is shorter than ``min_tokens``; repetition penalty on tokens seen in the
+   prompt or output (positive logits divided, others multiplied); frequency and presence
+   penalties on output tokens (OpenAI rule). Greedy rows take the argmax here;
+3. ``truncate_logits``: divide by the temperature, then drop (-inf) tokens below
+   ``min_p`` times the top probability, outside the ``top_k``, and outside the ``top_p``
+   nucleus of what is left, in that order;
+4. draw: Gumbel-max, ``argmax(logits + g)`` with ``g ~ Gumbel(0, 1)`` for each vocab
+   entry, is an exact sample of ``softmax(logits)``.
+
+Why it costs little:
+
+- ``min_p`` needs no softmax: ``p_i >= min_p * p_max`` iff ``l_i >= l_max + log(min_p)``.
+- ``top_k`` and ``top_p`` become one logit threshold per row, found among the ``C``
+  largest logits from ``lax.top_k``; ``C = top_k_bound`` is static, the next power of two
+  above the batch's largest ``top_k``. Only a row asking for ``top_p`` without ``top_k``
+  forces ``C = V`` (a full sort); a batch with neither skips this entirely.
+- Tokens are kept by comparing the full-vocab logits with the threshold, and the Gumbel
+  noise is indexed by token id, so a row's draw never depends on ``C``.
+- The noise of a row comes from ``fold_in(key(seed), output_pos)``: a request's tokens
+  depend only on its seed and positions, never on batch composition, row order, padding
+  or preemption. An all-greedy batch draws no noise at all (static ``all_greedy``).
+- Penalty counts are built by scatter-add only when the static ``use_penalties`` is set;
+  the prompt is shipped only when some row has a repetition penalty. Unused id lists
+  have width 0, so they cost nothing.
+
+``build_sampling_metadata`` is the host side: numpy arrays padded to bounded shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int, UInt32
+
+from jaxpaged.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters of one step; padding rows are greedy with no options."""
+
+    temperature: Float[Array, "S"]  # < SAMPLING_EPS means greedy
+    top_k: Int[Array, "S"]  # keep the k largest logits; 0 = off
+    top_p: Float[Array, "S"]  # 1 = off
+    min_p: Float[Array, "S"]  # 0 = off
+    repetition_penalty: Float[Array, "S"]  # 1 = off
+    presence_penalty: Float[Array, "S"]  # 0 = off
+    frequency_penalty: Float[Array, "S"]  # 0 = off
+    prompt_ids: Int[Array, "S P"]  # prompt tokens for the repetition penalty; -1 pads; P may be 0
+    output_ids: Int[Array, "S O"]  # tokens generated so far, for penalties; -1 pads; O may be 0
+    bias_ids: Int[Array, "S B"]  # logit_bias token ids; -1 pads; B may be 0
+    bias_values: Float[Array, "S B"]  # added to the logits of bias_ids; 0 pads
+    banned_ids: Int[Array, "S M"]  # EOS + stop ids while output < min_tokens; -1 pads; M may be 0
+    rng_key: UInt32[Array, "S 2"]  # threefry2x32 key data of jax.random.key(seed)
+    output_pos: Int[Array, "S"]  # index in the output of the token sampled now (= tokens so far)
+    top_k_bound: int = dataclasses.field(default=0, metadata=dict(static=True))  # C; 0: no truncation
+    all_greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))  # skip the draw
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    tokens: Int[Array, "S"]  # the sampled (or argmax) token of each row
+    logprobs: Float[Array, "S"]  # raw log-prob of `tokens` (before temperature, penalties…)
+    ranks: Int[Array, "S"]  # tokens whose raw logit is >= that of `tokens` (1 = most likely; vLLM)
+    top_ids: Int[Array, "S K"]  # the K most likely tokens under the raw distribution
+    top_logprobs: Float[Array, "S K"]  # their raw log-probs, descending
+
+
+def _scatter_ids(ids: Int[Array, "S N"], vocab: int) -> Int[Array, "S N"]:
+    # -1 pads become an out-of-range index that mode="drop" discards (a negative index
+    # would wrap around to the last token instead).
+    return jnp.where(ids < 0, vocab, ids)
+
+
+def apply_penalties(logits: Float[Array, "S V"], sm: SamplingMetadata) -> Float[Array, "S V"]:
+    """Repetition penalty (prompt and output tokens), then frequency and presence (output)."""
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    counts = jnp.zeros((num_rows, vocab), jnp.int32)
+    counts = counts.at[rows, _scatter_ids(sm.output_ids, vocab)].add(1, mode="drop")
+    in_output = counts > 0
+    seen = in_output
+    if sm.prompt_ids.shape[1]:
+        in_prompt = jnp.zeros((num_rows, vocab), bool)
+        seen = seen | in_prompt.at[rows, _scatter_ids(sm.prompt_ids, vocab)].set(True, mode="drop")
+    penalty = jnp.where(seen, sm.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - sm.frequency_penalty[:, None] * counts
+    return logits - sm.presence_penalty[:, None] * in_output
+
+
+def process_logits(
+    logits: Float[Array, "S V"], sm: SamplingMetadata, *, use_penalties: bool
+) -> Float[Array, "S V"]:
+    """Logit bias, the ``min_tokens`` ban and penalties: what greedy rows take the argmax of."""
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    logits = logits.astype(jnp.float32)
+    logits = logits.at[rows, _scatter_ids(sm.bias_ids, vocab)].add(sm.bias_values, mode="drop")
+    logits = logits.at[rows, _scatter_ids(sm.banned_ids, vocab)].set(-jnp.inf, mode="drop")
+    return apply_penalties(logits, sm) if use_penalties else logits
+
+
+def _top_k_top_p_threshold(
+    logits: Float[Array, "S V"], min_p_threshold: Float[Array, "S"], sm: SamplingMetadata
+) -> Float[Array, "S"]:
+    """Smallest logit a row keeps under top-k then top-p (-inf for rows using neither)."""
+    bound = sm.top_k_bound
+    vals = lax.top_k(logits, bound)[0]  # [S, C], descending
+    k = jnp.where(sm.top_k > 0, jnp.minimum(sm.top_k, bound), bound)
+    # Both masks keep a prefix of `vals`: min_p's threshold, then the k largest.
+    valid = (jnp.arange(bound)[None, :] < k[:, None]) & (vals >= min_p_threshold[:, None])
+    probs = jax.nn.softmax(jnp.where(valid, vals, -jnp.inf), axis=-1)
+    # vLLM drops a token when the mass of it and all smaller ones is <= 1 - top_p, i.e.
+    # keeps it while the mass strictly above it is < top_p (the top token always stays).
+    mass_above = jnp.cumsum(probs, axis=-1) - probs
+    top_p = sm.top_p[:, None]
+    keep = valid & ((mass_above < top_p) | (top_p >= 1.0))
+    num_keep = jnp.maximum(keep.sum(axis=-1), 1)
+    threshold = jnp.take_along_axis(vals, (num_keep - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where((sm.top_k > 0) | (sm.top_p < 1.0), threshold, -jnp.inf)
+
+
+def truncate_logits(logits: Float[Array, "S V"], sm: SamplingMetadata) -> Float[Array, "S V"]:
+    """Temperature, then min-p, top-k and top-p as -inf: the rows' sampling distributions.
+
+    ``softmax`` of the result is the distribution a non-greedy row samples from. Ties at
+    a row's threshold are all kept.
+    """
+    greedy = sm.temperature < SAMPLING_EPS
+    logits = logits / jnp.where(greedy, 1.0, sm.temperature)[:, None]
+    threshold = jnp.max(logits, axis=-1) + jnp.log(sm.min_p)  # -inf where min_p == 0
+    if sm.top_k_bound:
+        threshold = jnp.maximum(threshold, _top_k_top_p_threshold(logits, threshold, sm))
+    return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
+
+
+def gumbel_noise(sm: SamplingMetadata, vocab: int) -> Float[Array, "S V"]:
+    """Each row's Gumbel(0, 1) noise, from ``fold_in(key(seed), output_pos)`` only."""
+    keys = jax.random.wrap_key_data(sm.rng_key, impl="threefry2x32")
+    keys = jax.vmap(jax.random.fold_in)(keys, sm.output_pos)
+    return jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+
+
+def compute_logprobs(
+    logits: Float[Array, "T V"], token_ids: Int[Array, "T"], *, num_logprobs: int
+) -> tuple[Float[Array, "T"], Int[Array, "T"], Int[Array, "T K"], Float[Array, "T K"]]:
+    """Raw log-prob and rank of ``token_ids`` and the ``num_logprobs`` most likely tokens.
+
+    Also serves ``prompt_logprobs``: pass the prefill logits and the next prompt tokens.
+    Returns ``(logprobs, ranks, top_ids, top_logprobs)``; ``K == num_logprobs``.
+    """
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, token_ids[:, None].astype(jnp.int32), axis=-1)
+    ranks = (logits >= chosen).sum(axis=-1, dtype=jnp.int32)
+    top_vals, top_ids = lax.top_k(logits, num_logprobs)
+    return chosen[:, 0] - lse, ranks, top_ids.astype(jnp.int32), top_vals - lse[:, None]
+
+
+def sample(
+    logits: Float[Array, "S V"],
+    sm: SamplingMetadata,
+    *,
+    num_logprobs: int,
+    use_penalties: bool,
+) -> SamplerOutput:
+    """Sample one token per row. ``num_logprobs`` and ``use_penalties`` must be static."""
+    if logits.ndim != 2 or logits.shape[0] != sm.temperature.shape[0]:
+        raise ValueError(f"logits have shape {logits.shape}; expected "
+                         f"[{sm.temperature.shape[0]}, vocab] to match the sampling metadata")
+    processed = process_logits(logits, sm, use_penalties=use_penalties)
+    tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    if not sm.all_greedy:
+        noisy = truncate_logits(processed, sm) + gumbel_noise(sm, logits.shape[1])
+        drawn = jnp.argmax(noisy, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(sm.temperature < SAMPLING_EPS, tokens, drawn)
+    logprobs, ranks, top_ids, top_logprobs = compute_logprobs(
+        logits, tokens, num_logprobs=num_logprobs)
+    return SamplerOutput(tokens, logprobs, ranks, top_ids, top_logprobs)
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+class SamplingRow(NamedTuple):
+    """One sequence to sample for, as the engine hands it to ``build_sampling_metadata``."""
+
+    params: SamplingParams
+    seed: int  # params.seed, or for unseeded requests one the engine drew once from its
+    #            own generator at admission (so the stream survives preemption); the n
+    #            children of one request need distinct seeds. Used modulo 2**64.
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+def _bucket(n: int) -> int:
+    """0, or the next power of two >= n: keeps the number of compiled shapes small."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def _padded_ids(lists: Sequence[Sequence[int]], num_rows: int) -> np.ndarray:
+    out = np.full((num_rows, _bucket(max(map(len, lists), default=0))), -1, np.int32)
+    for i, ids in enumerate(lists):
+        out[i, : len(ids)] = ids
+    return out
+
+
+def build_sampling_metadata(
+    rows: Sequence[SamplingRow | tuple],
+    padded_rows: int,
+    vocab_size: int,
+    eos_ids: Sequence[int],
+) -> tuple[SamplingMetadata, int, bool]:
+    """Padded numpy metadata for ``sample``, plus its static ``num_logprobs`` and ``use_penalties``.
+
+    Rows past ``len(rows)`` are padding (greedy, no options). Id-list widths and
+    ``num_logprobs`` are rounded up to powers of two (``num_logprobs`` capped at
+    ``MAX_LOGPROBS``): slice each row's own ``params.logprobs`` columns from the output.
+    """
+    rows = [SamplingRow(*r) for r in rows]
+    if len(rows) > padded_rows:
+        raise ValueError(f"{len(rows)} rows do not fit in padded_rows={padded_rows}")
+    num_rows = padded_rows
+    temperature = np.zeros(num_rows, np.float32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, np.float32)
+    min_p = np.zeros(num_rows, np.float32)
+    repetition = np.ones(num_rows, np.float32)
+    presence = np.zeros(num_rows, np.float32)
+    frequency = np.zeros(num_rows, np.float32)
+    rng_key = np.zeros((num_rows, 2), np.uint32)
+    output_pos = np.zeros(num_rows, np.int32)
+    prompts, outputs, biases, banned = [], [], [], []
+    use_penalties = False
+    for i, (p, seed, prompt_ids, output_ids) in enumerate(rows):
+        temperature[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
+        top_k[i] = p.top_k if 0 < p.top_k < vocab_size else 0
+        repetition[i], presence[i], frequency[i] = (
+            p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+        seed %= 1 << 64
+        rng_key[i] = seed >> 32, seed & 0xFFFFFFFF  # what jax.random.key(seed) holds (x64)
+        output_pos[i] = len(output_ids)
+        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        use_penalties |= penalised
+        prompts.append(prompt_ids if p.repetition_penalty != 1 else ())
+        outputs.append(output_ids if penalised else ())
+        bias = p.logit_bias or {}
+        if bad := [t for t in bias if t >= vocab_size]:
+            raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary (size {vocab_size})")
+        biases.append(bias)
+        stops = dict.fromkeys([*eos_ids, *p.stop_token_ids]) if len(output_ids) < p.min_tokens else {}
+        banned.append([t for t in stops if 0 <= t < vocab_size])
+    bias_ids = _padded_ids([list(b) for b in biases], num_rows)
+    bias_values = np.zeros(bias_ids.shape, np.float32)
+    for i, b in enumerate(biases):
+        bias_values[i, : len(b)] = list(b.values())
+
+    truncating = [(k, p) for k, p in zip(top_k, top_p) if k > 0 or p < 1]
+    if not truncating:
+        top_k_bound = 0
+    elif any(k == 0 for k, _ in truncating):  # top_p without top_k needs the whole sorted row
+        top_k_bound = vocab_size
+    else:
+        top_k_bound = min(vocab_size, _bucket(max(int(k) for k, _ in truncating)))
+    num_logprobs = min(_bucket(max((r.params.logprobs or 0 for r in rows), default=0)),
+                       MAX_LOGPROBS, vocab_size)
+    sm = SamplingMetadata(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+        prompt_ids=_padded_ids(prompts, num_rows),
+        output_ids=_padded_ids(outputs, num_rows),
+        bias_ids=bias_ids, bias_values=bias_values,
+        banned_ids=_padded_ids(banned, num_rows),
+        rng_key=rng_key, output_pos=output_pos,
+        top_k_bound=top_k_bound,
+        all_greedy=all(r.params.is_greedy for r in rows),
+    )
+    return sm, num_logprobs, use_penalties

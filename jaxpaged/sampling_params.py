@@ -1,0 +1,226 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and validation rules.
+
+Pure Python: the engine validates requests here before anything reaches a device.
+``__post_init__`` normalises the loose input forms vLLM accepts (``stop="x"`` becomes
+``["x"]``, ``stop_token_ids=None`` becomes ``[]``, ``logprobs=True`` becomes ``1``) and
+raises ``ValueError`` for an out-of-range value or ``TypeError`` for a wrong type, in a
+message that names the field, the value and what is allowed.
+
+Greedy requests (``temperature < 1e-5``) have ``top_p``, ``top_k`` and ``min_p`` reset to
+their neutral values, as vLLM does, since truncating the distribution cannot change an
+argmax. Beam search follows vLLM's original rule: it is deterministic, so it takes
+``temperature=0`` and leaves ``top_p`` / ``top_k`` / ``min_p`` at their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20  # cap on logprobs / prompt_logprobs (vLLM's default max_logprobs)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the completion of one request (vLLM's ``SamplingParams``).
+
+    Args:
+        n: number of completions to return for the prompt.
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: keep the smallest set of most likely tokens whose probability mass reaches
+            ``top_p``; 1 disables.
+        top_k: keep the ``top_k`` most likely tokens; -1 disables.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely
+            token's; 0 disables.
+        repetition_penalty: divides positive (multiplies negative) logits of tokens seen in
+            the prompt or the output so far (> 1 discourages repetition); 1 disables.
+        presence_penalty: subtracted from the logit of every token already in the output.
+        frequency_penalty: subtracted once per occurrence of a token in the output.
+        logit_bias: token id -> value added to that token's logit before sampling.
+        seed: seed of this request's random stream; ``None`` lets the engine pick one.
+        stop: strings that end the completion when produced (not part of the output).
+        stop_token_ids: token ids that end the completion (the token is kept).
+        ignore_eos: keep generating after the EOS token.
+        max_tokens: most tokens to generate; ``None`` runs to the model's length limit.
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many tokens.
+        logprobs: number of top log-probabilities to return per generated token (the
+            sampled token's own log-probability is always returned); ``None`` for none.
+        prompt_logprobs: the same for every prompt position.
+        use_beam_search: beam search instead of sampling.
+        beam_width: beams kept per step; defaults to ``n`` under beam search.
+        length_penalty: beam score is ``logprob_sum / length ** length_penalty``.
+        cache_salt: isolates this request's prefix-cache entries from other salts.
+        skip_special_tokens: drop special tokens when detokenizing.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if self.logprobs is True:
+            set_("logprobs", 1)
+        if self.prompt_logprobs is True:
+            set_("prompt_logprobs", 1)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "length_penalty"):
+            set_(name, float(getattr(self, name)))
+        set_("stop", [] if self.stop is None else [self.stop] if isinstance(self.stop, str)
+             else list(self.stop))
+        set_("stop_token_ids", list(dict.fromkeys(self.stop_token_ids or ())))
+        if self.logit_bias is not None:
+            set_("logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        self._check_values()
+        if self.use_beam_search:
+            self._check_beam_search()
+            if self.beam_width is None:
+                set_("beam_width", self.n)
+        else:
+            self._check_not_beam_search()
+            if self.is_greedy:
+                set_("top_p", 1.0)
+                set_("top_k", -1)
+                set_("min_p", 0.0)
+                if self.n > 1:
+                    raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), "
+                                     f"got n={self.n}")
+
+    def _check_types(self) -> None:
+        def need(name: str, ok: bool, what: str) -> None:
+            if not ok:
+                value = getattr(self, name)
+                raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+        for name in ("n", "top_k", "min_tokens"):
+            need(name, _is_int(getattr(self, name)), "an int")
+        for name in ("max_tokens", "seed", "beam_width"):
+            need(name, getattr(self, name) is None or _is_int(getattr(self, name)), "an int or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            need(name, v is None or v is True or _is_int(v), "an int or None")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):
+            need(name, _is_real(getattr(self, name)), "a real number")
+        for name in ("ignore_eos", "use_beam_search", "skip_special_tokens"):
+            need(name, isinstance(getattr(self, name), bool), "a bool")
+        need("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "a str or None")
+        stop = self.stop
+        need("stop", stop is None or isinstance(stop, str)
+             or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)),
+             "a str, a list of str or None")
+        ids = self.stop_token_ids
+        need("stop_token_ids", ids is None
+             or (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)),
+             "a list of int or None")
+        bias = self.logit_bias
+        need("logit_bias", bias is None or isinstance(bias, dict), "a dict[int, float] or None")
+        for k, v in (bias or {}).items():
+            if not _is_int(k):
+                raise TypeError(f"logit_bias keys must be int token ids, got {k!r} ({type(k).__name__})")
+            if not _is_real(v):
+                raise TypeError(f"logit_bias[{k}] must be a real number, got {v!r} ({type(v).__name__})")
+
+    def _check_values(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):
+            need(math.isfinite(getattr(self, name)), f"{name} must be finite, got {getattr(self, name)}")
+        need(self.n >= 1, f"n must be at least 1, got {self.n}")
+        need(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k == -1 or self.top_k >= 1,
+             f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        need(self.repetition_penalty > 0.0,
+             f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(-2.0 <= getattr(self, name) <= 2.0, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        need(self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be at least 1, got {self.max_tokens}")
+        need(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            need(v is None or 0 <= v <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+        for k, v in self.logit_bias.items() if self.logit_bias else ():
+            need(k >= 0, f"logit_bias keys must be non-negative token ids, got {k}")
+            need(math.isfinite(v), f"logit_bias[{k}] must be finite, got {v}")
+        need(all(s for s in self.stop), f"stop cannot contain an empty string, got {self.stop!r}")
+        need(all(i >= 0 for i in self.stop_token_ids),
+             f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        need(self.cache_salt != "", "cache_salt must be a non-empty string or None, got ''")
+
+    def _check_beam_search(self) -> None:
+        for name, value, ok, allowed in (
+            ("temperature", self.temperature, self.temperature < SAMPLING_EPS, "0"),
+            ("top_p", self.top_p, self.top_p == 1.0, "1.0"),
+            ("top_k", self.top_k, self.top_k == -1, "-1"),
+            ("min_p", self.min_p, self.min_p == 0.0, "0.0"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {allowed} when use_beam_search=True (beam search "
+                                 f"is deterministic), got {name}={value}")
+        if self.beam_width is not None and self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if self.beam_width is not None and self.beam_width < self.n:
+            raise ValueError(f"beam_width must be at least n={self.n}, got {self.beam_width}")
+
+    def _check_not_beam_search(self) -> None:
+        if self.beam_width is not None:
+            raise ValueError(f"beam_width is only used with use_beam_search=True, got {self.beam_width}")
+        if self.length_penalty != 1.0:
+            raise ValueError(f"length_penalty is only used with use_beam_search=True and must be 1.0 "
+                             f"otherwise, got {self.length_penalty}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when tokens are picked by argmax rather than sampled."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def max_num_logprobs(self) -> int:
+        """The most top log-probabilities this request asks for at any position (0 if none)."""
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with ``changes`` applied (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def clone(self) -> SamplingParams:
+        """A copy that shares no mutable containers (``stop``, ``logit_bias``…) with this one."""
+        return self.replace()
