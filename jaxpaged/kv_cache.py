@@ -12,7 +12,21 @@ stacked over layers. Why:
 - Head-major inside a block makes the tile one kernel program reads, one block of one
   KV head, a contiguous ``[block_size, head_dim]`` slab.
 - Block 0 is the null block: padding entries of block tables and the slots of padding
-  tokens point at it. The block manager never hands it out.
+  tokens point at it. The block manager never hands it out. Its contents are junk (padding
+  tokens write there); kernels mask every key they read from it.
+- Layer-major outside the blocks lets kernels view the pool as ``[L * NB, KVH, BS, D]``
+  (a free reshape) and fold the layer into the block id (``layer * NB + block``): one
+  gather or pointer offset reads a layer's block out of the full pool, never a copy of the
+  layer (see ``pallas/common.py``).
+- K and V are separate arrays (not interleaved as in tpu-inference) so that a decode
+  program's K tile and V tile are each one contiguous ``[BS, D]`` slab of one head, the
+  shape Triton (and Mosaic TPU) tiles load directly. JAX's GPU op puts the KV head first
+  (``[KVH, NB, BS, D]``); block-major keeps a block's heads together, so copy-on-write,
+  swaps and a block's K/V write are each one contiguous slab per layer.
+
+Every update here (``write_kv``, ``copy_blocks``, ``scatter_blocks``) is a scatter into
+the pool: inside a jit that donates the pool, XLA performs it in place, so step time and
+peak memory do not grow with the number of blocks.
 """
 
 from __future__ import annotations
@@ -74,3 +88,34 @@ def write_kv(kv: KVPool, layer: Int[Array, ""], k: Float[Array, "T KVH D"], v: F
         kv.k.at[layer, blk, :, off, :].set(k.astype(kv.k.dtype)),
         kv.v.at[layer, blk, :, off, :].set(v.astype(kv.v.dtype)),
     )
+
+
+def copy_blocks(kv: KVPool, src: Int[Array, "N"], dst: Int[Array, "N"]) -> KVPool:
+    """Copy whole blocks, every layer, ``src[i] -> dst[i]`` (copy-on-write).
+
+    All sources are read before any destination is written. Padding pairs are
+    ``NULL_BLOCK -> NULL_BLOCK`` (harmless; several may repeat). Real destinations must be
+    distinct. Under a donated pool, XLA updates it in place.
+    """
+    return KVPool(kv.k.at[:, dst].set(kv.k[:, src]), kv.v.at[:, dst].set(kv.v[:, src]))
+
+
+def gather_blocks(kv: KVPool, block_ids: Int[Array, "N"]) -> tuple[Float[Array, "L N KVH BS D"],
+                                                                    Float[Array, "L N KVH BS D"]]:
+    """K and V of ``block_ids`` (all layers), to be copied to the host when swapping out."""
+    return kv.k[:, block_ids], kv.v[:, block_ids]
+
+
+def scatter_blocks(kv: KVPool, block_ids: Int[Array, "N"],
+                   data: tuple[Float[Array, "L N KVH BS D"], Float[Array, "L N KVH BS D"]]) -> KVPool:
+    """Write swapped-out blocks back (swap in): ``data`` as returned by :func:`gather_blocks`.
+
+    Padding entries point at ``NULL_BLOCK`` (their data lands in the null block, which holds
+    nothing). Under a donated pool, XLA updates it in place.
+    """
+    k, v = data
+    if k.shape[0] != kv.num_layers or k.shape[2:] != kv.k.shape[2:] or k.shape[1] != block_ids.shape[0]:
+        raise ValueError(f"scatter_blocks: data of shape {k.shape} does not hold {block_ids.shape[0]} "
+                         f"blocks of a pool of shape {kv.k.shape}")
+    return KVPool(kv.k.at[:, block_ids].set(k.astype(kv.k.dtype)),
+                  kv.v.at[:, block_ids].set(v.astype(kv.v.dtype)))

@@ -1,0 +1,5 @@
+import sys
+
+from jaxpaged.cli import main
+
+sys.exit(main())

@@ -1,0 +1,137 @@
+"""Turn a scheduler decision into fixed-shape, padded numpy arrays. No jax here.
+
+Every axis is padded to a power of two (with a floor), so the number of distinct step
+shapes, and so of compilations, is bounded by the product of a few short bucket lists:
+tokens ``T``, sequences ``S``, block-table width ``W``, sampling rows ``R``, prompt
+logprob rows ``P`` and copy pairs ``C``. A decode-only batch uses ``T == S``.
+
+Padding conventions (see ``attention.AttentionMetadata``): padding tokens write into the
+null block and belong to no sequence; padding sequences have zero query and context
+length and a block table of null blocks; padding copy pairs copy the null block onto
+itself; padding sampling rows read token 0's logits and are dropped on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.scheduler import SchedulerOutput
+from jaxpaged.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """Smallest power of two >= max(n, floor)."""
+    n = max(n, floor, 1)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass
+class SampleRow:
+    seq: Sequence
+    index: int  # which sample of the request this row draws (n > 1 fans out at the first token)
+
+
+@dataclasses.dataclass
+class PromptLogprobRows:
+    seq: Sequence
+    start: int  # prompt position whose next-token logprob is row 0 of this group
+    count: int
+
+
+@dataclasses.dataclass
+class Batch:
+    tokens: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int32
+    block_tables: np.ndarray  # [S, W] int32
+    context_lens: np.ndarray  # [S] int32
+    query_start_loc: np.ndarray  # [S + 1] int32
+    decode_only: bool
+    logits_indices: np.ndarray  # [R] int32: token index whose logits each sampling row uses
+    rows: list[SampleRow]  # the first len(rows) of R
+    prompt_lp_indices: np.ndarray  # [P] int32 token index (P = 0 when nobody asked)
+    prompt_lp_targets: np.ndarray  # [P] int32 the next prompt token, scored at that index
+    prompt_lp_rows: list[PromptLogprobRows]
+    copies: np.ndarray  # [C, 2] int32 copy-on-write (src, dst) blocks applied in the step
+    num_tokens: int  # real tokens, before padding
+
+    @property
+    def shape_key(self) -> tuple:
+        return (self.tokens.shape[0], self.block_tables.shape, self.logits_indices.shape[0],
+                self.prompt_lp_indices.shape[0], self.copies.shape[0], self.decode_only)
+
+
+def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8, copies: list | None = None,
+                max_blocks_per_seq: int) -> Batch:
+    """Padded arrays for one step.
+
+    ``copies`` are the copy-on-write pairs the step itself applies (the runner applies
+    swaps, which need the host, before the step).
+    """
+    sched = out.scheduled
+    num_seqs = len(sched)
+    num_tokens = sum(s.num_new_tokens for s in sched)
+    decode_only = all(s.num_new_tokens == 1 for s in sched)
+    S = bucket(num_seqs)
+    T = S if decode_only else bucket(num_tokens, token_floor)
+    S = max(S, 1)
+    tables = [bm.block_table(s.seq.seq_id) for s in sched]
+    W = min(bucket(max(len(t) for t in tables), 4), bucket(max_blocks_per_seq, 4))
+
+    tokens = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, NULL_BLOCK, np.int32)
+    block_tables = np.full((S, W), NULL_BLOCK, np.int32)
+    context_lens = np.zeros(S, np.int32)
+    qsl = np.zeros(S + 1, np.int32)
+    rows: list[SampleRow] = []
+    logits_indices: list[int] = []
+    lp_rows: list[PromptLogprobRows] = []
+    lp_idx: list[np.ndarray] = []
+    lp_tgt: list[np.ndarray] = []
+    t = 0
+    for i, s in enumerate(sched):
+        seq, a, n = s.seq, s.start, s.num_new_tokens
+        tokens[t:t + n] = seq.token_ids[a:a + n]
+        positions[t:t + n] = np.arange(a, a + n)
+        slots[t:t + n] = bm.slot_mapping(seq.seq_id, a, a + n)
+        block_tables[i, :len(tables[i])] = tables[i]
+        context_lens[i] = a + n
+        qsl[i + 1] = t + n
+        req = seq.request
+        if s.samples:
+            fan_out = req.params.n if (seq.num_output_tokens == 0 and not req.is_beam_search) else 1
+            for k in range(fan_out):
+                rows.append(SampleRow(seq, k if fan_out > 1 else seq.index))
+                logits_indices.append(t + n - 1)
+        if req.params.prompt_logprobs is not None:
+            # Positions p in this chunk with a next prompt token p + 1 to score.
+            stop = min(a + n, req.num_prompt_tokens - 1)
+            if stop > a:
+                lp_rows.append(PromptLogprobRows(seq, a, stop - a))
+                lp_idx.append(np.arange(t, t + stop - a))
+                lp_tgt.append(np.asarray(seq.token_ids[a + 1:stop + 1]))
+        t += n
+    qsl[num_seqs + 1:] = t
+
+    R = max(S, bucket(len(rows)))  # usually R == S: one fewer axis to compile shapes for
+    li = np.zeros(R, np.int32)
+    li[:len(logits_indices)] = logits_indices
+    num_lp = sum(r.count for r in lp_rows)
+    P = bucket(num_lp) if num_lp else 0
+    pi, pt = np.zeros(P, np.int32), np.zeros(P, np.int32)
+    if num_lp:
+        pi[:num_lp] = np.concatenate(lp_idx)
+        pt[:num_lp] = np.concatenate(lp_tgt)
+    copies = copies or []
+    C = bucket(len(copies)) if copies else 0
+    cp = np.full((C, 2), NULL_BLOCK, np.int32)
+    if copies:
+        cp[:len(copies)] = copies
+    return Batch(tokens, positions, slots, block_tables, context_lens, qsl, decode_only, li, rows,
+                 pi, pt, lp_rows, cp, num_tokens)

@@ -1,0 +1,493 @@
+"""Host-side KV block manager: block tables, copy-on-write, prefix caching, swap space.
+
+Pure Python (numpy only for slot arrays), no jax: it runs and is tested without a
+device. The physical pool, its O(1) doubly linked LRU free queue and the prefix-cache
+keys live in ``block_pool.py`` (read its docstring for why a linked list); this module
+keeps one state per sequence, keyed by any hashable id (a request or sequence id):
+
+- a block table (logical block ``i`` holds positions ``[i * block_size, (i + 1) * block_size)``),
+- ``num_tokens``: positions ``[0, num_tokens)`` have a slot (reserved, maybe not written yet),
+- ``num_computed_tokens``: positions ``[0, num_computed_tokens)`` have their K/V written.
+
+How the engine drives it (like vLLM v1's ``KVCacheManager``)::
+
+    # admission; raises ValueError for a request that could never fit
+    if bm.can_allocate(prompt, cache_salt=salt, num_new_tokens=chunk):
+        num_cached = bm.allocate(rid, prompt, cache_salt=salt, num_new_tokens=chunk)
+        # the step computes positions [num_cached, bm.num_tokens(rid))
+    # a running sequence's next prefill chunk or decode token
+    if bm.can_append_slots(rid, n):
+        copies += bm.append_slots(rid, n)   # copy-on-write (src, dst) block pairs
+    elif bm.can_swap_out(victim):           # preemption
+        copies += bm.swap_out(victim)       # (device, host) pairs
+    else:
+        bm.free(victim)                     # host pool full: recompute it later
+    # the batch: bm.block_table(rid), bm.slot(rid, p) / bm.slot_mapping(rid, start, stop)
+    # after the step wrote K/V: newly full blocks enter the prefix cache
+    bm.mark_computed(rid, num_computed_tokens, token_ids)
+    bm.fork(rid, child_id)                  # n > 1 sampling, beam search
+    bm.free(rid)                            # finished
+
+Copies returned by ``append_slots``, ``swap_out`` and ``swap_in`` must be applied in
+the order the calls returned them, before the step's model run: a block freed by one
+call may be the destination of the next.
+
+Copy-on-write happens at token level: a fork shares every block (ref + 1), and the
+first sequence to write into a shared, partially filled last block gets a private copy.
+Full blocks are never written again, so they are shared for good.
+
+Prefix caching: a block is registered only once it is full *and* ``mark_computed`` says
+its K/V is written, so a hit never serves a slot still waiting for the device. At
+admission only full blocks inside the first ``len(prompt) - 1`` tokens can hit, so a
+fully cached prompt still computes its last token (logits need one) and no write ever
+lands in a shared cached block. The extra keys ``(model_id, cache_salt)`` enter every
+hash and are compared on a hit: tenants with different salts never share a block.
+
+Admission keeps a watermark of free blocks (default 1% of the pool) for running
+sequences to grow into; it is waived while no sequence holds a block, so any request
+that passes the never-fits check (prompt + 1 token fits in the pool) is admitted
+eventually instead of waiting forever.
+
+Swap space is a host pool of ``swap_space // block_bytes`` blocks, not shared between
+sequences: swapping out siblings of a fork copies their common blocks once each, and
+swapped-in blocks are fresh (not re-registered in the prefix cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from jaxpaged.block_pool import (NULL_BLOCK, Block, BlockKey, BlockPool, HashFn, MemoryStats, PrefixCacheStats,
+                                  invariant, sha256_block_hash)
+
+__all__ = ["BlockManager", "MemoryStats", "SwapSpaceFull", "NULL_BLOCK"]
+
+
+class SwapSpaceFull(RuntimeError):
+    """The host pool cannot take a sequence: preempt it by recompute (``free``) instead."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Sequence:
+    blocks: list[Block]  # the block table; empty while swapped out
+    num_tokens: int
+    num_computed_tokens: int
+    extra_keys: tuple  # (model_id, cache_salt)
+    block_hashes: list[bytes]  # chained hashes of the first full blocks (the prompt's: from admission)
+    num_registered: int  # blocks [0, num_registered) have been offered to the prefix cache
+    parent_key: tuple[int, int] | None  # (id, generation) of the block cached for the last registered one
+    cacheable: bool = True  # False after a collision: the chain is not registered further
+    host_blocks: list[int] | None = None  # set while swapped out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Paged KV block manager over a device pool of ``num_blocks`` blocks.
+
+    Args:
+      num_blocks: blocks in the device pool, null block 0 included.
+      block_size: token slots per block.
+      max_model_len: longest sequence allowed (prompt + generated); ``None``: the pool.
+      watermark: fraction of the usable blocks admission keeps free.
+      enable_prefix_caching: look up and register full blocks in the prefix cache.
+      model_id: part of every block hash, so two models never share K/V.
+      swap_space: bytes of host memory for swapped-out blocks; 0 disables swapping.
+      block_bytes: bytes of one block (K and V, all layers); required with ``swap_space``.
+      hash_fn: block hash function; injectable for tests.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, max_model_len: int | None = None,
+                 watermark: float = 0.01, enable_prefix_caching: bool = True, model_id: str = "",
+                 swap_space: int = 0, block_bytes: int | None = None,
+                 hash_fn: HashFn = sha256_block_hash):
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark={watermark}; must be in [0, 1)")
+        if swap_space and not block_bytes:
+            raise ValueError(f"swap_space={swap_space} bytes needs block_bytes (bytes of one block)")
+        self.pool = BlockPool(num_blocks, block_size, hash_fn)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.watermark_blocks = int(watermark * self.pool.num_usable)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_id = model_id
+        self.num_host_blocks = swap_space // block_bytes if swap_space else 0
+        self._host_free = list(range(self.num_host_blocks - 1, -1, -1))  # stack; pops 0 first
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._memo: tuple[tuple, list[bytes]] | None = None  # (prompt blocks, extra keys) -> hashes
+
+    # ---- admission ------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Reject a prompt that could never be admitted, even into an empty pool.
+
+        ``can_allocate`` and ``allocate`` call this; call it at submission to fail early.
+
+        Raises:
+          ValueError: the prompt is empty, or with one generated token it exceeds
+            ``max_model_len`` or needs more blocks than the whole pool.
+        """
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt is empty; it needs at least one token")
+        n = num_prompt_tokens + 1
+        if self.max_model_len is not None and n > self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token that exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if _cdiv(n, self.block_size) > self.pool.num_usable:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token it needs "
+                             f"{_cdiv(n, self.block_size)} blocks of {self.block_size} slots, but the pool has "
+                             f"{self.pool.num_usable} usable blocks")
+
+    def can_allocate(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                     num_new_tokens: int | None = None) -> bool:
+        """Whether ``allocate`` can admit this prompt now and keep the watermark free.
+
+        Prefix hits are taken into account; the lookup counts no queries or hits.
+
+        Raises:
+          ValueError: the prompt could never fit (see ``allocate``).
+        """
+        *_, num_free_taken = self._plan_admission(token_ids, cache_salt, num_new_tokens)
+        return self._admissible(num_free_taken)
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                 num_new_tokens: int | None = None) -> int:
+        """Admit a prompt: share its cached prefix, reserve slots for what follows it.
+
+        Args:
+          seq_id: the new sequence's id.
+          token_ids: the prompt.
+          cache_salt: per-tenant salt; blocks are shared only between equal salts.
+          num_new_tokens: reserve slots for at most this many tokens past the cached
+            prefix (this step's prefill chunk); ``None``: the rest of the prompt.
+
+        Returns:
+          ``num_cached_tokens``: positions ``[0, num_cached_tokens)`` already hold K/V,
+          a multiple of ``block_size`` and at most ``len(token_ids) - 1``.
+
+        Raises:
+          ValueError: ``seq_id`` exists, or the prompt plus one generated token exceeds
+            ``max_model_len`` or the whole pool.
+          RuntimeError: not enough free blocks (call ``can_allocate`` first).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        extra, hits, hashes, num_tokens, num_free_taken = self._plan_admission(token_ids, cache_salt, num_new_tokens)
+        if num_free_taken > self.pool.num_free:
+            raise RuntimeError(f"sequence {seq_id!r} needs {num_free_taken} free blocks; {self.pool.num_free} are")
+        for b in hits:  # before allocating, so the allocation cannot evict them
+            self.pool.share(b)
+        num_cached = len(hits) * self.block_size
+        blocks = hits + [self.pool.allocate() for _ in range(_cdiv(num_tokens, self.block_size) - len(hits))]
+        if self.enable_prefix_caching:
+            self.pool.stats.queries += len(token_ids)
+            self.pool.stats.hits += num_cached
+        parent = (hits[-1].block_id, hits[-1].generation) if hits else None
+        self._seqs[seq_id] = _Sequence(blocks, num_tokens, num_cached, extra, list(hashes), len(hits), parent)
+        return num_cached
+
+    # ---- growth ---------------------------------------------------------------------
+
+    def can_append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
+        """Whether ``append_slots`` can reserve ``num_new_tokens`` more slots now."""
+        s = self._on_device(seq_id)
+        return self._blocks_to_append(s, num_new_tokens) <= self.pool.num_free
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """Reserve slots for the next ``num_new_tokens`` tokens (prefill chunk or decode).
+
+        New blocks are allocated only when the last one is full. Writing into a shared,
+        partially filled last block first copies it to a private block.
+
+        Returns:
+          ``(src, dst)`` device block copies to apply before the step (copy-on-write).
+
+        Raises:
+          ValueError: the sequence would exceed ``max_model_len``.
+          RuntimeError: not enough free blocks (call ``can_append_slots`` first).
+        """
+        s = self._on_device(seq_id)
+        need = self._blocks_to_append(s, num_new_tokens)
+        if need > self.pool.num_free:
+            raise RuntimeError(f"sequence {seq_id!r} needs {need} new blocks; {self.pool.num_free} are free")
+        copies = []
+        if num_new_tokens and self._last_block_shared(s):
+            old, new = s.blocks[-1], self.pool.allocate()
+            copies.append((old.block_id, new.block_id))
+            s.blocks[-1] = new
+            self.pool.free(old)
+        s.num_tokens += num_new_tokens
+        s.blocks.extend(self.pool.allocate() for _ in range(_cdiv(s.num_tokens, self.block_size) - len(s.blocks)))
+        return copies
+
+    def mark_computed(self, seq_id: Hashable, num_computed_tokens: int, token_ids: Sequence[int]) -> None:
+        """Record that K/V of positions ``[0, num_computed_tokens)`` is written.
+
+        Blocks that are now full and computed are hashed and registered in the prefix
+        cache; only these are ever served to other requests.
+
+        Args:
+          seq_id: the sequence.
+          num_computed_tokens: new count; between the old count and ``num_tokens``.
+          token_ids: the sequence's tokens, at least ``num_computed_tokens`` of them.
+        """
+        s = self._on_device(seq_id)
+        if not s.num_computed_tokens <= num_computed_tokens <= s.num_tokens:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} for sequence {seq_id!r}; must be "
+                             f"in [{s.num_computed_tokens}, {s.num_tokens}] (computed so far, slots)")
+        if len(token_ids) < num_computed_tokens:
+            raise ValueError(f"{len(token_ids)} token ids for num_computed_tokens={num_computed_tokens}")
+        s.num_computed_tokens = num_computed_tokens
+        if not (self.enable_prefix_caching and s.cacheable):
+            return
+        bs, full = self.block_size, num_computed_tokens // self.block_size
+        if full > len(s.block_hashes):  # decoded blocks; the prompt's were hashed at admission
+            s.block_hashes += self.pool.hash_blocks(token_ids, full - len(s.block_hashes), s.extra_keys,
+                                                    s.block_hashes[-1] if s.block_hashes else None,
+                                                    first=len(s.block_hashes))
+        for i in range(s.num_registered, full):
+            key = BlockKey(s.parent_key, tuple(token_ids[i * bs:(i + 1) * bs]), s.extra_keys)
+            cached = self.pool.cache(s.blocks[i], s.block_hashes[i], key)
+            if cached is None:  # collision: a block with other content owns this hash
+                s.cacheable = False
+                return
+            s.num_registered = i + 1
+            s.parent_key = (cached.block_id, cached.generation)
+
+    def can_fork(self, seq_id: Hashable) -> bool:
+        """Always true for a sequence on the device: a fork copies nothing until a write."""
+        self._on_device(seq_id)
+        return True
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
+        """Make ``child_id`` a copy of ``parent_id`` that shares all its blocks (ref + 1).
+
+        Returns:
+          ``[]``: copies are deferred to the first write into a shared block.
+        """
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} is already allocated")
+        p = self._on_device(parent_id)
+        for b in p.blocks:
+            self.pool.share(b)
+        self._seqs[child_id] = dataclasses.replace(p, blocks=list(p.blocks), block_hashes=list(p.block_hashes))
+        return []
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a finished or preempted sequence's blocks, tail first, device or host."""
+        s = self._get(seq_id)
+        del self._seqs[seq_id]
+        for b in reversed(s.blocks):
+            self.pool.free(b)
+        if s.host_blocks is not None:
+            self._host_free.extend(reversed(s.host_blocks))
+
+    # ---- swap space -----------------------------------------------------------------
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        """Whether the host pool has room for the sequence; if not, preempt by recompute."""
+        return len(self._on_device(seq_id).blocks) <= len(self._host_free)
+
+    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        """Move a sequence's blocks to the host pool and free them on the device.
+
+        Returns:
+          ``(device_block, host_block)`` copies to apply before the blocks are reused.
+
+        Raises:
+          SwapSpaceFull: the host pool lacks room; ``free`` it and recompute it later.
+        """
+        s = self._on_device(seq_id)
+        if len(s.blocks) > len(self._host_free):
+            raise SwapSpaceFull(f"sequence {seq_id!r} needs {len(s.blocks)} host blocks; {len(self._host_free)} "
+                                f"of {self.num_host_blocks} are free. Preempt it by recompute: free it.")
+        s.host_blocks = [self._host_free.pop() for _ in s.blocks]
+        copies = [(b.block_id, h) for b, h in zip(s.blocks, s.host_blocks)]
+        for b in reversed(s.blocks):
+            self.pool.free(b)
+        s.blocks = []
+        return copies
+
+    def can_swap_in(self, seq_id: Hashable) -> bool:
+        """Whether ``swap_in`` can bring the sequence back and keep the watermark free."""
+        return self._admissible(len(self._swapped(seq_id).host_blocks))
+
+    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
+        """Bring a swapped-out sequence back into fresh device blocks.
+
+        Returns:
+          ``(host_block, device_block)`` copies to apply before the step.
+        """
+        s = self._swapped(seq_id)
+        if len(s.host_blocks) > self.pool.num_free:
+            raise RuntimeError(f"sequence {seq_id!r} needs {len(s.host_blocks)} blocks; "
+                               f"{self.pool.num_free} are free")
+        s.blocks = [self.pool.allocate() for _ in s.host_blocks]
+        copies = [(h, b.block_id) for h, b in zip(s.host_blocks, s.blocks)]
+        self._host_free.extend(reversed(s.host_blocks))
+        s.host_blocks = None
+        return copies
+
+    # ---- queries --------------------------------------------------------------------
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._get(seq_id).host_blocks is not None
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Positions of the sequence that have a slot."""
+        return self._get(seq_id).num_tokens
+
+    def num_computed_tokens(self, seq_id: Hashable) -> int:
+        """Positions of the sequence whose K/V is written."""
+        return self._get(seq_id).num_computed_tokens
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """Physical block of each logical block of an on-device sequence."""
+        return [b.block_id for b in self._on_device(seq_id).blocks]
+
+    def slot(self, seq_id: Hashable, position: int) -> int:
+        """Slot ``block * block_size + offset`` of the token at ``position``."""
+        s = self._on_device(seq_id)
+        if not 0 <= position < s.num_tokens:
+            raise IndexError(f"position {position} of sequence {seq_id!r}; it has {s.num_tokens} slots")
+        return s.blocks[position // self.block_size].block_id * self.block_size + position % self.block_size
+
+    def slot_mapping(self, seq_id: Hashable, start: int, stop: int) -> np.ndarray:
+        """Slots of positions ``[start, stop)``, int32 ``[stop - start]``."""
+        s, bs = self._on_device(seq_id), self.block_size
+        if not 0 <= start <= stop <= s.num_tokens:
+            raise IndexError(f"positions [{start}, {stop}) of sequence {seq_id!r}; it has {s.num_tokens} slots")
+        pos = np.arange(start, stop, dtype=np.int32)
+        ids = np.array([b.block_id for b in s.blocks[start // bs:_cdiv(stop, bs)]], dtype=np.int32)
+        return ids[pos // bs - start // bs] * bs + pos % bs
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """Blocks an allocation can take now: free plus evictable cached ones."""
+        return self.pool.num_free
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return dataclasses.replace(self.pool.stats)
+
+    def stats(self) -> MemoryStats:
+        """Memory accounting; O(total block-table length)."""
+        filled: dict[int, int] = {}
+        num_tokens = 0
+        for s in self._seqs.values():
+            if s.host_blocks is None:
+                num_tokens += s.num_tokens
+                for i, b in enumerate(s.blocks):
+                    n = min(self.block_size, s.num_tokens - i * self.block_size)
+                    filled[b.block_id] = max(filled.get(b.block_id, 0), n)
+        p = self.pool
+        return MemoryStats(
+            num_blocks=p.num_usable, block_size=self.block_size, num_free_blocks=p.num_free - p.num_cached_free,
+            num_cached_blocks=p.num_cached_free, num_used_blocks=p.num_used, num_unusable_blocks=0,
+            peak_used_blocks=p.peak_used, num_tokens=num_tokens, tokens_stored=sum(filled.values()),
+            num_host_blocks_used=self.num_host_blocks - len(self._host_free))
+
+    def check_invariants(self) -> None:
+        """Check the pool and every block table against each other; O(num_blocks).
+
+        Raises:
+          AssertionError: naming the first broken invariant.
+        """
+        bs = self.block_size
+        refs = [0] * len(self.pool.blocks)
+        host_held: list[int] = []
+        for sid, s in self._seqs.items():
+            invariant(0 <= s.num_computed_tokens <= s.num_tokens,
+                      f"sequence {sid!r}: {s.num_computed_tokens} computed of {s.num_tokens} tokens")
+            if s.host_blocks is not None:
+                invariant(not s.blocks and len(s.host_blocks) == _cdiv(s.num_tokens, bs),
+                          f"swapped sequence {sid!r}: {len(s.blocks)} device, {len(s.host_blocks)} host blocks")
+                host_held += s.host_blocks
+                continue
+            invariant(len(s.blocks) == _cdiv(s.num_tokens, bs),
+                      f"sequence {sid!r}: {len(s.blocks)} blocks for {s.num_tokens} tokens")
+            for i, b in enumerate(s.blocks):
+                refs[b.block_id] += 1
+                if b.block_hash is not None:  # a cached block holds exactly this sequence's tokens
+                    invariant((i + 1) * bs <= s.num_computed_tokens,
+                              f"sequence {sid!r} has cached block {b.block_id} at uncomputed positions")
+                    invariant(i >= len(s.block_hashes) or s.block_hashes[i] == b.block_hash,
+                              f"sequence {sid!r} holds block {b.block_id}, cached for other tokens")
+        self.pool.check_invariants(refs)
+        invariant(sorted(host_held + self._host_free) == list(range(self.num_host_blocks)),
+                  "host blocks leaked or held twice")
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        s = self._seqs.get(seq_id)
+        if s is None:
+            raise KeyError(f"unknown sequence {seq_id!r}")
+        return s
+
+    def _on_device(self, seq_id: Hashable) -> _Sequence:
+        s = self._get(seq_id)
+        if s.host_blocks is not None:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; swap it in first")
+        return s
+
+    def _swapped(self, seq_id: Hashable) -> _Sequence:
+        s = self._get(seq_id)
+        if s.host_blocks is None:
+            raise ValueError(f"sequence {seq_id!r} is not swapped out")
+        return s
+
+    def _plan_admission(self, token_ids: Sequence[int], cache_salt: str | None, num_new_tokens: int | None):
+        """Extra keys, prefix hits and their hashes, slots to reserve, free blocks taken."""
+        self.check_fits(len(token_ids))
+        if num_new_tokens is not None and num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens}; must be >= 0")
+        extra = (self.model_id, cache_salt)
+        hashes = self._prompt_hashes(token_ids, extra)
+        # Only blocks inside the first len - 1 tokens may hit: the last token is always computed.
+        hits = self.pool.find_cached_prefix(token_ids, hashes[:(len(token_ids) - 1) // self.block_size], extra)
+        num_cached = len(hits) * self.block_size
+        num_tokens = num_cached + min(len(token_ids) - num_cached, len(token_ids) if num_new_tokens is None
+                                      else num_new_tokens)
+        # A hit on a free cached block takes it off the free queue just like a new block.
+        num_free_taken = _cdiv(num_tokens, self.block_size) - len(hits) + sum(b.ref_cnt == 0 for b in hits)
+        return extra, hits, hashes, num_tokens, num_free_taken
+
+    def _admissible(self, num_blocks_needed: int) -> bool:
+        reserve = self.watermark_blocks if self.pool.num_used else 0
+        return self.pool.num_free - num_blocks_needed >= reserve
+
+    def _prompt_hashes(self, token_ids: Sequence[int], extra: tuple) -> list[bytes]:
+        # Memoized for the last prompt: a request blocked at the head of the waiting queue
+        # is asked about every step, and allocate() follows can_allocate() with the same one.
+        if not self.enable_prefix_caching:
+            return []
+        n = len(token_ids) // self.block_size
+        key = (tuple(token_ids[:n * self.block_size]), extra)
+        if self._memo is None or self._memo[0] != key:
+            self._memo = key, self.pool.hash_blocks(token_ids, n, extra)
+        return self._memo[1]
+
+    def _last_block_shared(self, s: _Sequence) -> bool:
+        return s.num_tokens % self.block_size != 0 and s.blocks[-1].ref_cnt > 1
+
+    def _blocks_to_append(self, s: _Sequence, num_new_tokens: int) -> int:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens}; must be >= 0")
+        n = s.num_tokens + num_new_tokens
+        if self.max_model_len is not None and n > self.max_model_len:
+            raise ValueError(f"sequence would reach {n} tokens; max_model_len is {self.max_model_len}")
+        cow = 1 if num_new_tokens and self._last_block_shared(s) else 0
+        return _cdiv(n, self.block_size) - len(s.blocks) + cow

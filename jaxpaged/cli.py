@@ -1,0 +1,187 @@
+"""``jaxpaged-generate``: generate from the command line (also ``python -m jaxpaged``).
+
+Prompts come from the arguments, from ``--file`` (one prompt per line, or JSON lines
+with a ``"prompt"`` and per-line sampling options) or from standard input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+PROG = "jaxpaged-generate"
+_SAMPLING = [  # (flag, type, SamplingParams field)
+    ("--max-tokens", int, "max_tokens"), ("--min-tokens", int, "min_tokens"), ("--n", int, "n"),
+    ("--temperature", float, "temperature"), ("--top-p", float, "top_p"), ("--top-k", int, "top_k"),
+    ("--min-p", float, "min_p"), ("--repetition-penalty", float, "repetition_penalty"),
+    ("--presence-penalty", float, "presence_penalty"), ("--frequency-penalty", float, "frequency_penalty"),
+    ("--seed", int, "seed"), ("--logprobs", int, "logprobs"), ("--prompt-logprobs", int, "prompt_logprobs"),
+    ("--beam-width", int, "beam_width"), ("--length-penalty", float, "length_penalty"),
+    ("--cache-salt", str, "cache_salt"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Generate text with jaxpaged (PagedAttention in JAX).")
+    p.add_argument("prompts", nargs="*", help="prompts; none or '-' reads standard input, one per line")
+    p.add_argument("--file", type=Path, help="prompts file: one per line, or .jsonl with 'prompt' + sampling options")
+    p.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt at a time)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per request and a JSON summary")
+    s = p.add_argument_group("sampling")
+    for flag, typ, field in _SAMPLING:
+        s.add_argument(flag, type=typ, dest=field, default=None)
+    s.set_defaults(max_tokens=128, temperature=0.0)
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",")], default=None)
+    s.add_argument("--ignore-eos", action="store_true", default=None)
+    s.add_argument("--beam-search", action="store_true", dest="use_beam_search", default=None)
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-blocks", type=int)
+    e.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2GiB")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-model-len", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    e.add_argument("--swap-space", default="0", help="host memory for swapped KV blocks, e.g. 1GiB")
+    e.add_argument("--attention-backend", choices=["auto", "pallas", "xla", "reference"], default="auto")
+    e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _read_prompts(args) -> list[tuple[str, dict]]:
+    items: list[tuple[str, dict]] = []
+    if args.file is not None:
+        if not args.file.is_file():
+            raise FileNotFoundError(f"prompts file not found: {args.file}")
+        for n, line in enumerate(args.file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if args.file.suffix == ".jsonl":
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{args.file}:{n}: not valid JSON ({e.msg})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise ValueError(f"{args.file}:{n}: each line needs a string 'prompt'")
+                items.append((obj.pop("prompt"), obj))
+            else:
+                items.append((line, {}))
+    prompts = [q for q in args.prompts if q != "-"]
+    items += [(q, {}) for q in prompts]
+    if not items and (not args.prompts or "-" in args.prompts):
+        items += [(line, {}) for line in sys.stdin.read().splitlines() if line.strip()]
+    if not items:
+        raise ValueError("no prompts: pass them as arguments, with --file, or on standard input")
+    return items
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxpaged.engine import LLM
+    from jaxpaged.sampling_params import SamplingParams
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    base = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if base.get("use_beam_search") and "beam_width" not in base:
+        base["beam_width"] = 4
+    items = _read_prompts(args)
+    params = []
+    for _, extra in items:
+        unknown = set(extra) - fields
+        if unknown:
+            raise ValueError(f"unknown sampling options in prompts file: {sorted(unknown)}")
+        params.append(SamplingParams(**{**base, **extra}))
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(args.dtype)
+    llm = LLM(args.model, dtype=dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
+              swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
+              attention_backend=args.attention_backend, seed=args.engine_seed)
+    prompts = []
+    for text, _ in items:
+        if args.chat:
+            conv = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": text}]
+            prompts.append({"prompt_token_ids": llm.apply_chat_template(conv)})
+        else:
+            prompts.append(text)
+
+    start = time.perf_counter()
+    if args.stream:
+        outputs = []
+        for prompt, sp in zip(prompts, params):
+            for delta in llm.stream(prompt, sp):
+                print(delta, end="", flush=True)
+            print()
+        elapsed = time.perf_counter() - start
+        stats = llm.stats()
+        print(f"[{stats['num_steps']} steps in {elapsed:.1f} s]", file=sys.stderr)
+        return 0
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress and not args.json)
+    elapsed = time.perf_counter() - start
+    for (text, _), o in zip(items, outputs):
+        if args.json:
+            print(json.dumps({"request_id": o.request_id, "prompt": text, "outputs": [
+                {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                 "cumulative_logprob": c.cumulative_logprob} for c in o.outputs],
+                "num_prompt_tokens": len(o.prompt_token_ids), "num_cached_tokens": o.num_cached_tokens}))
+        else:
+            for c in o.outputs:
+                prefix = f"[{c.index}] " if len(o.outputs) > 1 else ""
+                print(prefix + c.text)
+            if len(outputs) > 1:
+                print("-" * 40)
+    n_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    n_gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics.time_to_first_token is not None]
+    stats = llm.stats()
+    summary = {
+        "requests": len(outputs), "prompt_tokens": n_prompt, "generated_tokens": n_gen,
+        "seconds": round(elapsed, 3), "generated_tok_per_s": round(n_gen / elapsed, 2),
+        "ttft_p50_s": round(_percentile(ttft, 50), 3), "ttft_p99_s": round(_percentile(ttft, 99), 3),
+        "peak_kv_utilization": round(stats["peak_kv_utilization"], 4),
+        "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
+        "preemptions": stats["num_preemptions"], "compiled_shapes": stats["num_compiled_shapes"],
+    }
+    if args.json:
+        print(json.dumps({"summary": summary}))
+    else:
+        print(f"\n{summary['requests']} requests | {n_prompt} prompt + {n_gen} generated tokens in "
+              f"{elapsed:.1f} s ({summary['generated_tok_per_s']} tok/s) | TTFT p50 {summary['ttft_p50_s']} s, "
+              f"p99 {summary['ttft_p99_s']} s | peak KV utilization {summary['peak_kv_utilization']:.1%} | "
+              f"prefix hit rate {summary['prefix_cache_hit_rate']:.1%} | preemptions {summary['preemptions']}",
+              file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except (FileNotFoundError, ValueError, TypeError, OSError) as e:
+        msg = " ".join(str(e).split())  # one line
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

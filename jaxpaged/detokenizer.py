@@ -1,0 +1,53 @@
+"""Incremental detokenization and stop-string detection for one sequence.
+
+Decoding only a short window of recent tokens keeps the cost per token constant. The
+window starts a few tokens back (``prefix_offset``) because byte-level BPE tokens can
+join into one character, and text is released only once it no longer ends in an
+incomplete UTF-8 sequence (U+FFFD).
+"""
+
+from __future__ import annotations
+
+import copy
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, *, skip_special_tokens: bool, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def fork(self) -> Detokenizer:
+        other = copy.copy(self)
+        other.ids = list(self.ids)
+        return other
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str | None:
+        """Append a token; return the stop string it completed, if any.
+
+        On a stop string the text is truncated before it (vLLM's default).
+        """
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return None
+        new = full[len(prefix):]
+        start = len(self.text)
+        self.text += new
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        for s in self.stop:
+            # Only a match that ends in the new text: earlier text was already checked.
+            i = self.text.find(s, max(0, start - len(s) + 1))
+            if i != -1:
+                self.text = self.text[:i]
+                return s
+        return None

@@ -1,0 +1,138 @@
+"""The device side of the engine: the KV pool, one jitted step, and swap copies.
+
+This is the only module where host state becomes device arrays. The step runs the
+model over the padded batch with the pool donated (so XLA updates it in place), applies
+copy-on-write block copies first, samples inside the same jit, and returns only the
+sampled tokens and the requested logprobs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpaged.attention import AttentionMetadata
+from jaxpaged.batch import Batch, bucket
+from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks
+from jaxpaged.model import Llama
+from jaxpaged.sampler import SamplerOutput, compute_logprobs, sample
+
+log = logging.getLogger(__name__)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
+                   static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
+def _step(graphdef, params, kv: KVPool, tokens, md: AttentionMetadata, logits_indices, copies, sm,
+          prompt_lp_indices, prompt_lp_targets, *, num_logprobs: int, num_prompt_logprobs: int,
+          use_penalties: bool):
+    if copies.shape[0]:
+        kv = copy_blocks(kv, copies[:, 0], copies[:, 1])
+    model = nnx.merge(graphdef, params)
+    R = logits_indices.shape[0]
+    idx = jnp.concatenate([logits_indices, prompt_lp_indices])
+    logits, kv = model(tokens, kv, md, logits_indices=idx)
+    out = sample(logits[:R], sm, num_logprobs=num_logprobs, use_penalties=use_penalties)
+    prompt_lp = None
+    if prompt_lp_indices.shape[0]:
+        prompt_lp = compute_logprobs(logits[R:], prompt_lp_targets, num_logprobs=num_prompt_logprobs)
+    return out, prompt_lp, kv
+
+
+# Module level, so engines over the same model share compilations.
+_jit_gather = jax.jit(gather_blocks)
+_jit_scatter = jax.jit(scatter_blocks, donate_argnums=(0,))
+_jit_copy = jax.jit(copy_blocks, donate_argnums=(0,))
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, *, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 dtype=None):
+        cfg = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+        self.dtype = dtype or model.dtype
+        self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype)
+        host_shape = (cfg.num_layers, num_host_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        # Host (CPU memory) pool for swapped-out blocks, allocated lazily on first use.
+        self._host_shape = host_shape
+        self.host_k: np.ndarray | None = None
+        self.host_v: np.ndarray | None = None
+        self.compiled_shapes: set[tuple] = set()
+
+    # ---- block moves ----------------------------------------------------------------
+
+    def apply_block_ops(self, ops: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+        """Apply swap-outs and swap-ins now, in order; return the copy-on-write pairs left
+        for the step (those after the last swap), copying earlier ones in place here."""
+        pending: list[tuple[int, int]] = []
+        i = 0
+        while i < len(ops):
+            kind = ops[i][0]
+            j = i
+            while j < len(ops) and ops[j][0] == kind:
+                j += 1
+            pairs = np.array([(a, b) for _, a, b in ops[i:j]], np.int32)
+            if kind == "copy":
+                if j == len(ops):
+                    pending = [tuple(p) for p in pairs.tolist()]
+                else:
+                    self.kv = _jit_copy(self.kv, *_padded_pairs(pairs))
+            elif kind == "out":
+                self._swap_out(pairs[:, 0], pairs[:, 1])
+            else:
+                self._swap_in(pairs[:, 0], pairs[:, 1])
+            i = j
+        return pending
+
+    def _host_pool(self):
+        if self.host_k is None:
+            self.host_k = np.zeros(self._host_shape, self.kv.k.dtype)
+            self.host_v = np.zeros(self._host_shape, self.kv.v.dtype)
+        return self.host_k, self.host_v
+
+    def _swap_out(self, device_blocks: np.ndarray, host_blocks: np.ndarray) -> None:
+        hk, hv = self._host_pool()
+        n = len(device_blocks)
+        ids = np.zeros(bucket(n), np.int32)
+        ids[:n] = device_blocks
+        k, v = jax.device_get(_jit_gather(self.kv, ids))
+        hk[:, host_blocks], hv[:, host_blocks] = k[:, :n], v[:, :n]
+
+    def _swap_in(self, host_blocks: np.ndarray, device_blocks: np.ndarray) -> None:
+        hk, hv = self._host_pool()
+        n = len(device_blocks)
+        ids = np.zeros(bucket(n), np.int32)  # padding rewrites the null block with its own data
+        ids[:n] = device_blocks
+        k = np.zeros((hk.shape[0], len(ids), *hk.shape[2:]), hk.dtype)
+        v = np.zeros_like(k)
+        k[:, :n], v[:, :n] = hk[:, host_blocks], hv[:, host_blocks]
+        self.kv = _jit_scatter(self.kv, ids, (k, v))
+
+    # ---- the step -------------------------------------------------------------------
+
+    def execute(self, batch: Batch, sm, *, num_logprobs: int, num_prompt_logprobs: int, use_penalties: bool):
+        """Run one step; returns (SamplerOutput, prompt logprobs or None) as numpy."""
+        md = AttentionMetadata(
+            positions=batch.positions, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
+            context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
+            decode_only=batch.decode_only,
+        )
+        key = (*batch.shape_key, num_logprobs, num_prompt_logprobs, use_penalties,
+               tuple(np.shape(x) for x in jax.tree.leaves(sm)), sm.top_k_bound, sm.all_greedy)
+        self.compiled_shapes.add(key)
+        out, prompt_lp, self.kv = _step(
+            self.graphdef, self.params, self.kv, batch.tokens, md, batch.logits_indices, batch.copies, sm,
+            batch.prompt_lp_indices, batch.prompt_lp_targets, num_logprobs=num_logprobs,
+            num_prompt_logprobs=num_prompt_logprobs, use_penalties=use_penalties)
+        out, prompt_lp = jax.device_get((out, prompt_lp))
+        return out, prompt_lp
+
+
+def _padded_pairs(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    padded = np.zeros((bucket(len(pairs)), 2), np.int32)  # null -> null copies are no-ops
+    padded[:len(pairs)] = pairs
+    return padded[:, 0], padded[:, 1]

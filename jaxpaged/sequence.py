@@ -1,0 +1,111 @@
+"""Host state of a request and of each of its sequences (samples or beams). No jax here."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING
+
+from jaxpaged.outputs import FinishReason, PositionLogprobs, RequestMetrics
+from jaxpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxpaged.detokenizer import Detokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted; its blocks are in the host pool
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One stream of tokens: the prompt plus one sample's (or beam's) output.
+
+    ``num_computed_tokens`` counts the positions whose K/V the device has written; the
+    scheduler computes the rest. Preemption by recompute resets it to 0.
+    """
+
+    def __init__(self, request: Request, index: int, token_ids: list[int]):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids
+        self.num_computed_tokens = 0
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[PositionLogprobs] = []
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.detok: Detokenizer | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self, index: int) -> Sequence:
+        child = Sequence(self.request, index, list(self.token_ids))
+        child.num_computed_tokens = self.num_computed_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = list(self.logprobs)
+        child.detok = self.detok.fork() if self.detok is not None else None
+        return child
+
+
+class Request:
+    """A prompt with its sampling parameters and its live and finished sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float, seed: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seed = seed  # drawn by the engine when params.seed is None
+        self.status = RequestStatus.WAITING
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        # One sequence until the prompt is computed; then n samples or beam_width beams.
+        self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
+        self.finished_seqs: list[Sequence] = []  # beam search: finished hypotheses
+        self.aborted = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.params.use_beam_search
+
+    @property
+    def prefilling(self) -> bool:
+        """Still computing the prompt (so a single sequence)."""
+        return self.seqs[0].num_output_tokens == 0 and not self.seqs[0].finished
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
