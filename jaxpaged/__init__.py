@@ -4,10 +4,27 @@
 >>> jaxpaged.generate("What is paged attention?", max_tokens=32)
 """
 
-from jaxpaged.engine import LLM, generate
-from jaxpaged.loader import CheckpointError, LoadedModel, load_model
-from jaxpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+import importlib
+
+# Lazy, so the host-side modules (block manager, scheduler, sampling params) import
+# without pulling in jax.
+_EXPORTS = {
+    "LLM": "jaxpaged.engine", "generate": "jaxpaged.engine",
+    "load_model": "jaxpaged.loader", "LoadedModel": "jaxpaged.loader", "CheckpointError": "jaxpaged.loader",
+    "RequestOutput": "jaxpaged.outputs", "CompletionOutput": "jaxpaged.outputs", "Logprob": "jaxpaged.outputs",
+    "RequestMetrics": "jaxpaged.outputs", "SamplingParams": "jaxpaged.sampling_params",
+}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxpaged' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "LLM", "generate", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",

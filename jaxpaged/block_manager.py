@@ -11,7 +11,8 @@ keeps one state per sequence, keyed by any hashable id (a request or sequence id
 
 How the engine drives it (like vLLM v1's ``KVCacheManager``)::
 
-    # admission; raises ValueError for a request that could never fit
+    bm.check_fits(len(prompt))              # at submission: ValueError if it could never fit
+    # admission (can_allocate raises the same ValueError)
     if bm.can_allocate(prompt, cache_salt=salt, num_new_tokens=chunk):
         num_cached = bm.allocate(rid, prompt, cache_salt=salt, num_new_tokens=chunk)
         # the step computes positions [num_cached, bm.num_tokens(rid))
@@ -234,7 +235,8 @@ class BlockManager:
         Args:
           seq_id: the sequence.
           num_computed_tokens: new count; between the old count and ``num_tokens``.
-          token_ids: the sequence's tokens, at least ``num_computed_tokens`` of them.
+          token_ids: the sequence's tokens, at least ``num_computed_tokens`` of them,
+            starting with the prompt given to ``allocate`` (whose blocks were hashed then).
         """
         s = self._on_device(seq_id)
         if not s.num_computed_tokens <= num_computed_tokens <= s.num_tokens:

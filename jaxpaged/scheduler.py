@@ -125,7 +125,7 @@ class Scheduler:
                 seqs = req.live_seqs()
                 if num_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
                     break
-                if not all(self.bm.can_swap_in(s.seq_id) for s in seqs):
+                if not self._can_swap_in(seqs):
                     break
                 self.swapped.popleft()
                 for s in seqs:
@@ -228,6 +228,13 @@ class Scheduler:
             s.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    def _can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """All of a request's sequences together fit (checking each alone is not enough)."""
+        bs = self.bm.block_size
+        need = sum(-(-self.bm.num_tokens(s.seq_id) // bs) for s in seqs)
+        reserve = self.bm.watermark_blocks if self.running else 0
+        return self.bm.num_allocatable_blocks - need >= reserve
 
     def _fits_host(self, seqs: list[Sequence]) -> bool:
         need = sum(len(self.bm.block_table(s.seq_id)) for s in seqs)

@@ -66,3 +66,31 @@ def hf_smollm():
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_folder(tmp_path_factory):
+    """A random Llama with SmolLM2's real tokenizer and vocabulary, so text, chat templates,
+    stop strings and detokenization work at a fraction of the real model's cost."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxpaged.default_model import default_model_path
+    from jaxpaged.gguf_loader import tokenizer_from_gguf
+
+    folder = tmp_path_factory.mktemp("tiny-engine")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                      max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
+                      bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer_from_gguf(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_model(tiny_engine_folder):
+    from jaxpaged.loader import load_model
+
+    return load_model(tiny_engine_folder, attention_backend="xla")

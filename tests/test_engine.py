@@ -1,0 +1,214 @@
+"""The engine on a tiny random model: scheduling, caching and preemption never change tokens."""
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention splits the KV cache into blocks so that",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Bonjour, je m'appelle",
+    "1, 2, 3, 4, 5,",
+    "A long prompt that spans several blocks of the pool: " + "lorem ipsum dolor sit amet " * 6,
+    "Q: What is the capital of Japan?\nA:",
+    "日本語のテキストも",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+
+
+def make(model, **kw):
+    kw.setdefault("debug_checks", True)
+    kw.setdefault("block_size", 8)
+    kw.setdefault("num_blocks", 256)  # small: debug_checks walks every block after every step
+    return LLM(model, **kw)
+
+
+def tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def assert_no_leak(llm):
+    s = llm.stats()
+    assert s["num_used_blocks"] == 0, s
+    llm.bm.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_engine_model):
+    llm = make(tiny_engine_model, enable_prefix_caching=False)
+    greedy = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    seeded = tokens(llm.generate(PROMPTS, SEEDED, use_tqdm=False))
+    assert_no_leak(llm)
+    assert len({tuple(t[0]) for t in greedy}) > 1  # the model is not degenerate
+    return greedy, seeded
+
+
+@pytest.mark.parametrize("options", [
+    dict(enable_prefix_caching=True),
+    dict(max_num_batched_tokens=16),  # chunked prefill: prompts split across steps
+    dict(max_num_seqs=3),
+    dict(num_blocks=24, preemption_mode="recompute"),
+    dict(num_blocks=24, preemption_mode="swap", swap_space="64MiB"),
+    dict(block_size=16),
+    dict(block_size=4, attention_backend="reference"),
+], ids=["prefix-cache", "chunked-prefill", "few-seqs", "preempt-recompute", "preempt-swap", "bs16", "bs4-ref"])
+def test_same_tokens_under_any_schedule(tiny_engine_model, reference, options):
+    greedy, seeded = reference
+    llm = make(tiny_engine_model, **options)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == greedy
+    assert tokens(llm.generate(PROMPTS, SEEDED, use_tqdm=False)) == seeded
+    if "num_blocks" in options:
+        assert llm.stats()["num_preemptions"] > 0
+    if options.get("preemption_mode") == "swap":
+        assert llm.scheduler.num_preemptions > 0
+    assert_no_leak(llm)
+
+
+def test_warm_prefix_cache_same_tokens_and_hits(tiny_engine_model, reference):
+    greedy, _ = reference
+    llm = make(tiny_engine_model)
+    cold = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    hits_before = llm.stats()["prefix_cache_hits"]
+    warm = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert cold == greedy and tokens(warm) == greedy
+    assert llm.stats()["prefix_cache_hits"] > hits_before
+    assert max(o.num_cached_tokens for o in warm) >= 8
+    assert_no_leak(llm)
+
+
+def test_each_prompt_alone_equals_batched(tiny_engine_model, reference):
+    greedy, seeded = reference
+    llm = make(tiny_engine_model)
+    for i in (0, 2, 5):
+        assert tokens(llm.generate([PROMPTS[i]], GREEDY, use_tqdm=False))[0] == greedy[i]
+        assert tokens(llm.generate([PROMPTS[i]], SEEDED, use_tqdm=False))[0] == seeded[i]
+    assert_no_leak(llm)
+
+
+def test_parallel_samples_share_prompt_blocks_and_differ(tiny_engine_model):
+    llm = make(tiny_engine_model)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    out = llm.generate([PROMPTS[5]], params, use_tqdm=False)[0]
+    samples = [tuple(c.token_ids) for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len(set(samples)) == 4
+    again = llm.generate([PROMPTS[5]], params, use_tqdm=False)[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == samples
+    assert_no_leak(llm)
+
+
+def test_fork_shares_blocks(tiny_engine_model):
+    """While n=4 samples decode, the prompt's full blocks are held once, not four times."""
+    llm = make(tiny_engine_model, enable_prefix_caching=False)
+    rid = llm.add_request(PROMPTS[5], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))
+    llm.step()  # the whole prompt
+    llm.step()  # the fork has happened; every sample appended one token
+    req = llm.scheduler.running[0]
+    assert len(req.seqs) == 4
+    tables = [llm.bm.block_table(s.seq_id) for s in req.seqs]
+    n_prompt_full = len(req.prompt_token_ids) // 8
+    assert all(t[:n_prompt_full] == tables[0][:n_prompt_full] for t in tables)
+    assert len({t[-1] for t in tables}) == 4  # private last blocks after copy-on-write
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert_no_leak(llm)
+    assert rid not in llm._requests
+
+
+def test_seeded_sampling_independent_of_batch(tiny_engine_model, reference):
+    _, seeded = reference
+    llm = make(tiny_engine_model)
+    mixed = [SEEDED if i % 2 == 0 else GREEDY for i in range(len(PROMPTS))]
+    got = tokens(llm.generate(PROMPTS, mixed, use_tqdm=False))
+    assert [got[i] for i in range(0, len(PROMPTS), 2)] == [seeded[i] for i in range(0, len(PROMPTS), 2)]
+
+
+def test_stop_conditions(tiny_engine_model, reference):
+    greedy, _ = reference
+    llm = make(tiny_engine_model)
+    full = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_tok = full.token_ids[5]
+    o = llm.generate(PROMPTS[1], GREEDY.replace(stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    k = full.token_ids.index(stop_tok)
+    assert o.token_ids == full.token_ids[:k + 1] and o.finish_reason == "stop" and o.stop_reason == stop_tok
+    # A stop string: generation ends and the string is not in the text.
+    word = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    if word.strip():
+        o = llm.generate(PROMPTS[1], GREEDY.replace(stop=[word]), use_tqdm=False)[0].outputs[0]
+        assert o.finish_reason == "stop" and o.stop_reason == word
+        assert word not in o.text and full.text.startswith(o.text)
+    o = llm.generate(PROMPTS[1], GREEDY.replace(max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == full.token_ids[:3] and o.finish_reason == "length"
+    # EOS ends a sequence only after min_tokens; the logit bias forces EOS.
+    eos = SamplingParams(temperature=0, max_tokens=10, min_tokens=4, logit_bias={2: 100.0})
+    o = llm.generate(PROMPTS[1], eos, use_tqdm=False)[0].outputs[0]
+    assert len(o.token_ids) == 5 and o.token_ids[-1] == 2 and o.finish_reason == "stop"
+    assert_no_leak(llm)
+
+
+def test_logprobs_returned(tiny_engine_model):
+    llm = make(tiny_engine_model)
+    o = llm.generate(PROMPTS[0], GREEDY.replace(logprobs=3, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(o.logprobs) == 4
+    for tok, pos in zip(o.token_ids, o.logprobs):
+        assert tok in pos and pos[tok].rank == 1  # greedy picks the top token
+        assert len(pos) == 3
+        lps = sorted((lp.logprob for lp in pos.values()), reverse=True)
+        assert lps[0] <= 0 and lps == sorted(lps, reverse=True)
+    np.testing.assert_allclose(o.cumulative_logprob, sum(p[t].logprob for t, p in zip(o.token_ids, o.logprobs)),
+                               rtol=1e-5)
+
+
+def test_streaming_and_engine_loop(tiny_engine_model, reference):
+    greedy, _ = reference
+    llm = make(tiny_engine_model)
+    text = "".join(llm.stream(PROMPTS[0], GREEDY))
+    assert text == llm.tokenizer.decode(greedy[0][0], skip_special_tokens=True)
+    a = llm.add_request(PROMPTS[0], GREEDY)
+    b = llm.add_request(PROMPTS[1], GREEDY)
+    llm.step()
+    llm.abort(a)
+    finals = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                finals[o.request_id] = o
+    assert set(finals) == {b} and finals[b].outputs[0].token_ids == greedy[1][0]
+    assert_no_leak(llm)
+
+
+def test_chat_and_generate_helpers(tiny_engine_model, tiny_engine_folder):
+    import jaxpaged
+
+    llm = make(tiny_engine_model)
+    out = llm.chat([{"role": "user", "content": "Hi!"}], GREEDY.replace(max_tokens=5), use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 5
+    assert out[0].prompt_token_ids[:1] == llm.tokenizer.convert_tokens_to_ids(["<|im_start|>"])
+    text = jaxpaged.generate(PROMPTS[0], model=tiny_engine_folder, temperature=0, max_tokens=24, ignore_eos=True,
+                             block_size=8)
+    assert isinstance(text, str) and text == llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
+    with pytest.raises(TypeError, match="unknown options"):
+        jaxpaged.generate("x", model=tiny_engine_folder, temprature=0)
+
+
+def test_compiled_shapes_bounded_over_mixed_workload(tiny_engine_model):
+    rng = np.random.default_rng(0)
+    llm = make(tiny_engine_model, debug_checks=False, max_num_seqs=32, max_num_batched_tokens=128,
+               num_blocks=160, enable_prefix_caching=False)
+    vocab = llm.config.vocab_size
+    prompts = [rng.integers(3, vocab, int(rng.integers(1, 120))).tolist() for _ in range(200)]
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.7])), seed=i, ignore_eos=True,
+                             max_tokens=int(rng.integers(1, 40))) for i in range(200)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    n = llm.stats()["num_compiled_shapes"]
+    # Buckets: S in {1..32} (6), T = S for decode or {8..128} (5) for prefill, W in {4..64} (5),
+    # and two sampler modes (all greedy or not).
+    assert 0 < n <= (6 + 6 * 5) * 5 * 2, n
+    print(f"{n} compiled step shapes for 200 mixed requests")
+    llm.generate(prompts, params, use_tqdm=False)  # the same workload again: nothing new to compile
+    assert llm.stats()["num_compiled_shapes"] == n
+    assert_no_leak(llm)
