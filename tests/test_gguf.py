@@ -38,18 +38,13 @@ def ours(model_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_path):
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+def hf_model(hf_smollm):
+    return hf_smollm[0]  # shared with the other files (loading it takes ~25 s)
 
 
 @pytest.fixture(scope="module")
-def tokenizers(model_path):
-    from transformers import AutoTokenizer
-
-    return tokenizer_from_gguf(model_path), AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+def tokenizers(model_path, hf_smollm):
+    return tokenizer_from_gguf(model_path), hf_smollm[1]
 
 
 def test_default_model_path_is_the_smollm2_gguf(model_path):
