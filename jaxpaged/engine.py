@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.attention import BACKENDS
 from jaxpaged.batch import build_batch, bucket
 from jaxpaged.beam_search import BeamState
 from jaxpaged.block_manager import BlockManager
@@ -127,6 +128,8 @@ class LLM:
         if preemption_mode == "swap" and not swap_bytes:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (host memory for KV blocks)")
         kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}; choose from {BACKENDS}")
 
         lm = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, attention_backend=attention_backend)

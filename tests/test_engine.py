@@ -53,8 +53,7 @@ def reference(tiny_engine_model):
     dict(num_blocks=24, preemption_mode="recompute"),
     dict(num_blocks=24, preemption_mode="swap", swap_space="64MiB"),
     dict(block_size=16),
-    dict(block_size=4, attention_backend="reference"),
-], ids=["prefix-cache", "chunked-prefill", "few-seqs", "preempt-recompute", "preempt-swap", "bs16", "bs4-ref"])
+], ids=["prefix-cache", "chunked-prefill", "few-seqs", "preempt-recompute", "preempt-swap", "bs16"])
 def test_same_tokens_under_any_schedule(tiny_engine_model, reference, options):
     greedy, seeded = reference
     llm = make(tiny_engine_model, **options)
@@ -212,3 +211,72 @@ def test_compiled_shapes_bounded_over_mixed_workload(tiny_engine_model):
     llm.generate(prompts, params, use_tqdm=False)  # the same workload again: nothing new to compile
     assert llm.stats()["num_compiled_shapes"] == n
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "prompt is empty"),
+    ([], "prompt is empty"),
+    ([1, 2, 49152], r"outside the vocabulary \[0, 49152\)"),
+    ([-1], "outside the vocabulary"),
+    ([5] * 600, "prompt has 600 tokens; max_model_len is 512"),
+    ({"text": "x"}, "needs 'prompt' or 'prompt_token_ids'"),
+    (3.5, "prompt must be a str"),
+])
+def test_bad_prompt_rejected_alone(tiny_engine_model, reference, prompt, match):
+    greedy, _ = reference
+    llm = make(tiny_engine_model)
+    good = llm.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.add_request(prompt, GREEDY)
+    with pytest.raises((ValueError, TypeError), match=match):  # generate validates before any work
+        llm.generate([PROMPTS[1], prompt], GREEDY, use_tqdm=False)
+    finals = {}
+    while llm.has_unfinished_requests():
+        finals.update({o.request_id: o for o in llm.step() if o.finished})
+    assert list(finals) == [good] and finals[good].outputs[0].token_ids == greedy[0][0]
+    assert_no_leak(llm)
+
+
+def test_prompt_that_can_never_fit_the_pool(tiny_engine_model):
+    llm = make(tiny_engine_model, num_blocks=5)  # 4 usable blocks of 8 slots
+    with pytest.raises(ValueError, match="needs 5 blocks of 8 slots, but the pool has 4"):
+        llm.add_request([7] * 32, GREEDY)
+    assert len(llm.generate([[7] * 20], GREEDY.replace(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
+    (dict(min_p=2), "min_p"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(use_beam_search=True, beam_width=2, temperature=0.7), "beam"),
+])
+def test_invalid_sampling_params(params, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SamplingParams(**params)
+
+
+def test_logit_bias_outside_vocab_rejected(tiny_engine_model):
+    llm = make(tiny_engine_model)
+    with pytest.raises(ValueError, match="logit_bias token ids \\[60000\\]"):
+        llm.add_request(PROMPTS[0], SamplingParams(logit_bias={60000: 1.0}))
+
+
+@pytest.mark.parametrize("options, exc, match", [
+    (dict(block_size=12), ValueError, "block_size=12 must be a power of two"),
+    (dict(num_blocks=1), ValueError, "num_blocks=1 must be >= 2"),
+    (dict(kv_cache_memory="lots"), ValueError, "kv_cache_memory='lots' is not a size"),
+    (dict(kv_cache_memory="10KiB"), ValueError, "too small"),
+    (dict(preemption_mode="swap"), ValueError, "needs swap_space"),
+    (dict(preemption_mode="drop"), ValueError, "preemption_mode='drop'"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs=0"),
+    (dict(max_model_len=4096), ValueError, "exceeds the model's max_position_embeddings=512"),
+    (dict(attention_backend="cuda"), ValueError, "unknown attention backend 'cuda'"),
+])
+def test_invalid_engine_options(tiny_engine_model, options, exc, match):
+    with pytest.raises(exc, match=match):
+        LLM(tiny_engine_model, **options)
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing-model"):
+        LLM(tmp_path / "missing-model")
