@@ -24,6 +24,7 @@ from jaxpaged.attention import BACKENDS
 from jaxpaged.batch import build_batch, bucket
 from jaxpaged.beam_search import BeamState
 from jaxpaged.block_manager import BlockManager
+from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.kv_cache import kv_pool_bytes
 from jaxpaged.loader import LoadedModel, load_model
@@ -94,6 +95,8 @@ class LLM:
       attention_backend: ``"auto"``, ``"pallas"``, ``"xla"`` or ``"reference"``.
       seed: seeds the per-request seeds of requests that do not set one.
       debug_checks: check the block manager's invariants after every step.
+      kv_allocator: ``"paged"``, or ``"contiguous"``: the pre-vLLM baseline where each
+        request reserves ``max_model_len`` slots (for benchmarks).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class LLM:
         attention_backend: str = "auto",
         seed: int = 0,
         debug_checks: bool = False,
+        kv_allocator: str = "paged",
     ):
         _check_int("block_size", block_size, 1)
         if block_size & (block_size - 1) or block_size > 256:
@@ -128,6 +132,8 @@ class LLM:
         if preemption_mode == "swap" and not swap_bytes:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (host memory for KV blocks)")
         kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
+        if kv_allocator not in ("paged", "contiguous"):
+            raise ValueError(f"kv_allocator={kv_allocator!r}; choose 'paged' or 'contiguous'")
         if attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose from {BACKENDS}")
 
@@ -153,9 +159,14 @@ class LLM:
             raise ValueError(f"a KV pool of {num_blocks} blocks is too small: one is the null block, "
                              f"and a request needs at least one more ({block_bytes} bytes per block)")
         self.block_size = block_size
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                               max_model_len=self.max_model_len, swap_space=swap_bytes, block_bytes=block_bytes,
-                               model_id=str(lm.source))
+        if kv_allocator == "contiguous":
+            if preemption_mode == "swap":
+                raise ValueError("kv_allocator='contiguous' has no swap space; use preemption_mode='recompute'")
+            self.bm = ContiguousBlockManager(num_blocks, block_size, max_model_len=self.max_model_len)
+        else:
+            self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                   max_model_len=self.max_model_len, swap_space=swap_bytes,
+                                   block_bytes=block_bytes, model_id=str(lm.source))
         self.scheduler = Scheduler(self.bm, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
                                    preemption_mode=preemption_mode)
@@ -169,6 +180,7 @@ class LLM:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._beams: dict[str, BeamState] = {}
+        self._fork_copies: list[tuple[int, int]] = []  # block copies a fork asked for (contiguous only)
         self.num_steps = 0
         self.peak_kv_utilization = 0.0
         self.timers = _Timers()
@@ -257,7 +269,9 @@ class LLM:
             if self.scheduler.has_unfinished() and not out.preempted:
                 raise RuntimeError("scheduler made no progress: no request fits the KV pool")
             return self._outputs(touched)
-        copies = self.runner.apply_block_ops(out.block_ops)
+        ops = [("copy", a, b) for a, b in self._fork_copies] + out.block_ops
+        self._fork_copies = []
+        copies = self.runner.apply_block_ops(ops)
         batch = build_batch(out, self.bm, copies=copies, max_blocks_per_seq=self.max_blocks_per_seq)
         rows = [SamplingRow(r.seq.request.params, _row_seed(r.seq.request.seed, r.index),
                             r.seq.request.prompt_token_ids, r.seq.output_token_ids) for r in batch.rows]
@@ -316,7 +330,7 @@ class LLM:
                 children = [parent]
                 for i, row in rows[1:]:
                     child = parent.fork(row.index)
-                    self.bm.fork(parent.seq_id, child.seq_id)
+                    self._fork_copies += self.bm.fork(parent.seq_id, child.seq_id)
                     children.append(child)
                 req.seqs = children
                 for (i, _), seq in zip(rows, children):
@@ -380,7 +394,7 @@ class LLM:
         for j, c in enumerate(running):
             if c.parent.seq_id in kept:
                 child = c.parent.fork(j)
-                self.bm.fork(c.parent.seq_id, child.seq_id)
+                self._fork_copies += self.bm.fork(c.parent.seq_id, child.seq_id)
                 plan.append((child, c))
             else:
                 kept.add(c.parent.seq_id)

@@ -53,7 +53,9 @@ def reference(tiny_engine_model):
     dict(num_blocks=24, preemption_mode="recompute"),
     dict(num_blocks=24, preemption_mode="swap", swap_space="64MiB"),
     dict(block_size=16),
-], ids=["prefix-cache", "chunked-prefill", "few-seqs", "preempt-recompute", "preempt-swap", "bs16"])
+    dict(kv_allocator="contiguous"),  # the pre-vLLM baseline: 3 regions of max_model_len slots
+], ids=["prefix-cache", "chunked-prefill", "few-seqs", "preempt-recompute", "preempt-swap", "bs16",
+        "contiguous"])
 def test_same_tokens_under_any_schedule(tiny_engine_model, reference, options):
     greedy, seeded = reference
     llm = make(tiny_engine_model, **options)
@@ -97,6 +99,11 @@ def test_parallel_samples_share_prompt_blocks_and_differ(tiny_engine_model):
     again = llm.generate([PROMPTS[5]], params, use_tqdm=False)[0]
     assert [tuple(c.token_ids) for c in again.outputs] == samples
     assert_no_leak(llm)
+    # The contiguous baseline copies the prompt into each sample's region instead of sharing.
+    contiguous = make(tiny_engine_model, kv_allocator="contiguous")
+    out = contiguous.generate([PROMPTS[5]], params, use_tqdm=False)[0]
+    assert [tuple(c.token_ids) for c in out.outputs] == samples
+    assert_no_leak(contiguous)
 
 
 def test_fork_shares_blocks(tiny_engine_model):
