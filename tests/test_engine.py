@@ -100,7 +100,7 @@ def test_parallel_samples_share_prompt_blocks_and_differ(tiny_engine_model):
     assert [tuple(c.token_ids) for c in again.outputs] == samples
     assert_no_leak(llm)
     # The contiguous baseline copies the prompt into each sample's region instead of sharing.
-    contiguous = make(tiny_engine_model, kv_allocator="contiguous")
+    contiguous = make(tiny_engine_model, kv_allocator="contiguous", num_blocks=1 + 64 * 5)
     out = contiguous.generate([PROMPTS[5]], params, use_tqdm=False)[0]
     assert [tuple(c.token_ids) for c in out.outputs] == samples
     assert_no_leak(contiguous)
