@@ -1,0 +1,72 @@
+"""The CLI, run in-process on the tiny model (the real model's run is in test_engine_hf.py)."""
+
+import io
+import json
+
+import pytest
+
+from jaxpaged.cli import main
+
+
+def run(capsys, monkeypatch, argv, stdin=None):
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_prompts_from_args_json(capsys, monkeypatch, tiny_engine_folder):
+    code, out, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--json", "--max-tokens", "5",
+                                               "--ignore-eos", "Hello there", "How are you?"])
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [d["prompt"] for d in lines[:2]] == ["Hello there", "How are you?"]
+    assert all(len(d["outputs"][0]["token_ids"]) == 5 for d in lines[:2])
+    s = lines[2]["summary"]
+    assert s["requests"] == 2 and s["generated_tokens"] == 10 and s["compiled_shapes"] >= 1
+
+
+def test_prompts_from_jsonl_with_per_line_options(capsys, monkeypatch, tmp_path, tiny_engine_folder):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "one", "max_tokens": 3}\n\n{"prompt": "two", "max_tokens": 7, "n": 2, '
+                 '"temperature": 1.0, "seed": 3}\n')
+    code, out, _ = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--file", str(f), "--json",
+                                             "--ignore-eos"])
+    assert code == 0
+    a, b = (json.loads(line) for line in out.splitlines()[:2])
+    assert len(a["outputs"][0]["token_ids"]) == 3
+    assert [len(c["token_ids"]) for c in b["outputs"]] == [7, 7]
+
+
+def test_prompts_from_stdin_and_text_summary(capsys, monkeypatch, tiny_engine_folder):
+    code, out, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--max-tokens", "4",
+                                               "--no-progress"], stdin="first prompt\nsecond prompt\n")
+    assert code == 0
+    assert "2 requests" in err and "tok/s" in err and "TTFT p50" in err and "prefix hit rate" in err
+    assert out.count("-" * 40) == 2
+
+
+def test_stream(capsys, monkeypatch, tiny_engine_folder):
+    code, out, _ = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--stream", "--max-tokens", "6",
+                                             "--ignore-eos", "--chat", "Hi"])
+    assert code == 0 and out.strip()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--temperature", "-1", "x"], "temperature"),
+    (["--block-size", "3", "x"], "block_size=3 must be a power of two"),
+    (["--file", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
+    (["--kv-cache-memory", "huge", "x"], "kv_cache_memory='huge'"),
+])
+def test_bad_input_one_line_error(capsys, monkeypatch, tiny_engine_folder, argv, match):
+    code, _, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), *argv])
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1 and match in err
+
+
+def test_bad_jsonl_line(capsys, monkeypatch, tmp_path, tiny_engine_folder):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{not json}\n')
+    code, _, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--file", str(f)])
+    assert code == 1 and f"{f}:2" in err
