@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 

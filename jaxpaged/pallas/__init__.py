@@ -1,1 +1,10 @@
-"""Paged-attention kernels (Pallas) and their pure-jnp reference."""
+"""Paged-attention implementations over the stacked KV pool (see ``kv_cache.py``).
+
+- ``reference``: dense pure-jnp oracle, written for clarity.
+- ``paged_attention``: Pallas decode kernel (one query per sequence) with split-K.
+- ``ragged_paged_attention``: Pallas kernel for prefill, chunked prefill and mixed batches.
+- ``xla``: the same algorithms in plain XLA ops, the fast path on CPU.
+- ``common``: input checks, layer folding, the ragged query-block schedule.
+
+``jaxpaged.attention.paged_attention`` picks among them (``backend=``).
+"""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array, Int
 
 # Logit of a masked key: finite, so that a fully masked row never computes inf - inf.
@@ -80,7 +79,8 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, context_lens, query_star
         raise ValueError(f"{what}: query_start_loc must be int32 [{S + 1}]; got "
                          f"{query_start_loc.dtype}{list(query_start_loc.shape)}")
     if _is_concrete(block_tables) and block_tables.size:
-        lo, hi = int(jnp.min(block_tables)), int(jnp.max(block_tables))
+        table = np.asarray(block_tables)  # host-side: jnp ops here would be staged into a trace
+        lo, hi = int(table.min()), int(table.max())
         if lo < 0 or hi >= NB:
             raise ValueError(f"{what}: block table entry {hi if hi >= NB else lo} is outside the pool of "
                              f"{NB} blocks")
@@ -112,7 +112,8 @@ def flat_block_ids(block_tables: Int[Array, "S W"], context_lens: Int[Array, "S"
     outside the pool are clamped (see :func:`debug_check_block_tables`).
     """
     S, W = block_tables.shape
-    bt = jnp.pad(block_tables, ((0, 0), (0, width - W))) if width > W else block_tables[:, :width]
+    assert width >= W, (width, W)
+    bt = jnp.pad(block_tables, ((0, 0), (0, width - W)))
     used = (context_lens[:, None] + block_size - 1) // block_size
     bt = jnp.where(jnp.arange(width)[None, :] < used, jnp.clip(bt, 0, num_blocks - 1), 0)
     return bt + jnp.asarray(layer, jnp.int32) * num_blocks

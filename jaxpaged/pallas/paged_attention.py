@@ -30,9 +30,11 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.pallas import common
 
-# Above this many tokens of table width, split-K is used by default (see num_splits).
+# Split-K defaults (see auto_num_splits), after vLLM's v1/v2 choice: split only long
+# tables, and only while the grid is too small to fill the GPU on its own.
 SPLIT_THRESHOLD_TOKENS = 2048
 PARTITION_TOKENS = 1024
+TARGET_PROGRAMS = 256  # ~2 programs per SM on an H100 (132 SMs)
 
 
 def _decode_kernel(
@@ -104,11 +106,18 @@ def merge_partitions(o: Float[Array, "P *rows D"], m: Float[Array, "P *rows"],
     return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
 
 
-def auto_num_splits(max_context: int) -> int:
-    """Split-K only when the table can hold more than ``SPLIT_THRESHOLD_TOKENS`` tokens."""
+def auto_num_splits(max_context: int, num_programs: int) -> int:
+    """Partitions for a table of ``max_context`` tokens and a grid of ``num_programs``
+    (sequences x KV heads) programs.
+
+    1 up to ``SPLIT_THRESHOLD_TOKENS``; above, one partition per ``PARTITION_TOKENS``, but
+    no more than needed to reach ``TARGET_PROGRAMS`` programs (a full grid gains nothing
+    from splitting and pays for the partials and the merge). Both sizes are static, so the
+    choice is made at trace time.
+    """
     if max_context <= SPLIT_THRESHOLD_TOKENS:
         return 1
-    return pl.cdiv(max_context, PARTITION_TOKENS)
+    return max(1, min(pl.cdiv(max_context, PARTITION_TOKENS), TARGET_PROGRAMS // max(num_programs, 1)))
 
 
 def paged_decode_attention(
@@ -139,7 +148,7 @@ def paged_decode_attention(
       context_lens: keys per sequence, this step's included; 0 marks a padding row.
       scale: logit scale, usually ``head_dim ** -0.5``.
       num_splits: split-K partitions; ``None`` picks :func:`auto_num_splits` of the table
-        width, ``1`` forces the single-pass kernel.
+        width and grid size, ``1`` forces the single-pass kernel.
       pages_per_chunk: blocks per loop step (keys per step = this * block_size, a power of
         two >= 16); default: 64 keys.
       block_h: rows of the query-head tile (the GQA group padded); default
@@ -176,7 +185,7 @@ def _paged_decode_attention(q, k_pool, v_pool, layer, block_tables, context_lens
                         ("pages_per_chunk * block_size", ppc * BS)):
             if n & (n - 1) or n < (1 if name == "block_size" else 16):
                 raise ValueError(f"{what}: {name}={n} must be a power of two (>= 16 for tiles) on GPU")
-    splits = auto_num_splits(W * BS) if num_splits is None else num_splits
+    splits = auto_num_splits(W * BS, S * KVH) if num_splits is None else num_splits
     if splits < 1:
         raise ValueError(f"{what}: num_splits={splits} must be >= 1")
     # Pages per partition: a whole number of chunks; the table is padded to splits * ppp.

@@ -1,0 +1,255 @@
+"""Benchmark the paged-attention backends on this machine and print a table.
+
+1. Memory bandwidth, measured in the same run: an in-place ``x * c`` over 256 MiB
+   (bytes read + written) and a ``sum`` (bytes read).
+2. Paged decode attention per backend vs contiguous attention over the same lengths:
+   the same online-softmax loop reading a contiguous ``[S, KVH, ctx, D]`` cache with
+   ``dynamic_slice`` (so the difference is the cost of paging), and the plain dense
+   masked einsum. KV bytes/s = K and V bytes of all sequences / time, and its fraction
+   of the measured bandwidth.
+3. A decode step (``scan`` over layers of ``write_kv`` + attention, the pool donated) at
+   1k / 4k / 16k pool blocks: must be flat.
+
+Shapes are the default model's attention (SmolLM2-135M: 9 query heads, 3 KV heads,
+head_dim 64, float32), block size 16. Pallas runs in interpret mode on CPU, which is a
+correctness tool; it is timed at one size to justify ``backend="auto"`` = xla on CPU.
+
+    python scripts/bench_kernels.py            # full run, a few minutes
+    python scripts/bench_kernels.py --quick    # fewer shapes and repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpaged.attention import AttentionMetadata, paged_attention
+from jaxpaged.kv_cache import KVPool, write_kv
+from jaxpaged.pallas.paged_attention import paged_decode_attention
+from jaxpaged.pallas.reference import ref_paged_decode_attention
+from jaxpaged.pallas.xla import xla_paged_decode_attention
+
+HQ, KVH, D, BS = 9, 3, 64, 16
+DTYPE = jnp.float32
+
+
+def timeit(f, *args, reps=10, warmup=2):
+    """(median, min) seconds of ``f(*args)`` after ``warmup`` calls."""
+    return time_round_robin({"f": (f, args)}, reps=reps, warmup=warmup)["f"]
+
+
+def time_round_robin(cases, reps=10, warmup=2):
+    """``{name: (f, args)} -> {name: (median, min)}`` seconds, the cases timed in turn.
+
+    On a shared, noisy machine, alternating the cases spreads the noise over all of them
+    instead of biasing whichever ran during a busy spell.
+    """
+    for f, args in cases.values():
+        for _ in range(warmup):
+            jax.block_until_ready(f(*args))
+    ts = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, (f, args) in cases.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts[name].append(time.perf_counter() - t)
+    return {name: (float(np.median(t)), float(np.min(t))) for name, t in ts.items()}
+
+
+def bandwidth(reps):
+    x = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MiB
+    scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
+    x = scale(scale(x))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x = scale(x)
+        x.block_until_ready()
+        ts.append(time.perf_counter() - t)
+    copy = 2 * x.nbytes / np.median(ts)
+    read = x.nbytes / timeit(jax.jit(jnp.sum), x, reps=reps)[0]
+    return copy, read
+
+
+def decode_inputs(num_seqs, ctx, seed=0, extra_blocks=64):
+    """A pool holding ``num_seqs`` sequences of ``ctx`` tokens in scattered blocks."""
+    rng = np.random.default_rng(seed)
+    per_seq = -(-ctx // BS)
+    nb = 1 + num_seqs * per_seq + extra_blocks
+    shape = (1, nb, KVH, BS, D)
+    k = jnp.asarray(rng.standard_normal(shape), DTYPE)
+    v = jnp.asarray(rng.standard_normal(shape), DTYPE)
+    tables = rng.permutation(np.arange(1, nb))[: num_seqs * per_seq].reshape(num_seqs, per_seq)
+    q = jnp.asarray(rng.standard_normal((num_seqs, HQ, D)), DTYPE)
+    lens = jnp.full((num_seqs,), ctx, jnp.int32)
+    return q, k, v, jnp.int32(0), jnp.asarray(tables, jnp.int32), lens
+
+
+def contiguous_cache(k, v, tables):
+    """The same K/V laid out contiguously: [S, KVH, ctx, D]."""
+    def lay(pool):
+        x = pool[0][tables]  # [S, W, KVH, BS, D]
+        S, W = tables.shape
+        return jnp.asarray(x.transpose(0, 2, 1, 3, 4).reshape(S, KVH, W * BS, D))
+    return lay(k), lay(v)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def contiguous_chunked(q, k, v, lens, chunk=128):
+    """The xla backend's online softmax over a contiguous cache (dynamic_slice, no gather)."""
+    S, KVH_, N, D_ = k.shape
+    G = q.shape[1] // KVH_
+    qg = q.reshape(S, KVH_, G, D_) * D_ ** -0.5
+
+    def body(c, carry):
+        o, m, l = carry
+        kc = lax.dynamic_slice_in_dim(k, c * chunk, chunk, axis=2)
+        vc = lax.dynamic_slice_in_dim(v, c * chunk, chunk, axis=2)
+        s = jnp.einsum("sknd,skgd->skng", kc, qg)
+        pos = c * chunk + jnp.arange(chunk)
+        s = jnp.where((pos[None, :] < lens[:, None])[:, None, :, None], s, -1e30)
+        m_new = jnp.maximum(m, s.max(2, keepdims=True))
+        a = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new)
+        l = a * l + p.sum(2, keepdims=True)
+        return o * a[:, :, 0, :, None] + jnp.einsum("skng,sknd->skgd", p, vc), m_new, l
+
+    init = (jnp.zeros((S, KVH_, G, D_)), jnp.full((S, KVH_, 1, G), -1e30), jnp.zeros((S, KVH_, 1, G)))
+    o, m, l = lax.fori_loop(0, (jnp.max(lens) + chunk - 1) // chunk, body, init)
+    return (o / l[:, :, 0, :, None]).reshape(S, -1, D_)
+
+
+@jax.jit
+def contiguous_dense(q, k, v, lens):
+    """The plain dense masked einsum over a contiguous cache."""
+    S, KVH_, N, D_ = k.shape
+    G = q.shape[1] // KVH_
+    s = jnp.einsum("skgd,sknd->skgn", q.reshape(S, KVH_, G, D_) * D_ ** -0.5, k)
+    s = jnp.where((jnp.arange(N)[None, :] < lens[:, None])[:, None, None, :], s, -jnp.inf)
+    return jnp.einsum("skgn,sknd->skgd", jax.nn.softmax(s, axis=-1), v).reshape(S, -1, D_)
+
+
+def attention_rows(shapes, bw, reps):
+    rows = []
+    for num_seqs, ctx in shapes:
+        args = decode_inputs(num_seqs, ctx)
+        q, k, v, layer, tables, lens = args
+        kv_bytes = 2 * num_seqs * ctx * KVH * D * jnp.dtype(DTYPE).itemsize
+        kc, vc = contiguous_cache(k, v, tables)
+        scale = D ** -0.5
+        times = time_round_robin({
+            "xla (paged)": (functools.partial(xla_paged_decode_attention, scale=scale), args),
+            "reference (paged)": (jax.jit(functools.partial(ref_paged_decode_attention, scale=scale)), args),
+            "contiguous, same loop": (contiguous_chunked, (q, kc, vc, lens)),
+            "contiguous, dense einsum": (contiguous_dense, (q, kc, vc, lens)),
+        }, reps=reps)
+        base = times["contiguous, same loop"][0]
+        for name, (med, best) in times.items():
+            rows.append((f"S={num_seqs} ctx={ctx}", name, med * 1e3, best * 1e3, kv_bytes / med / 1e9,
+                         kv_bytes / med / bw, med / base))
+        del kc, vc
+    return rows
+
+
+def pallas_interpret_rows(bw, reps, num_seqs=32, ctx=512):
+    """The Pallas kernel in the interpreter (its only mode on CPU) next to the xla backend."""
+    args = decode_inputs(num_seqs, ctx)
+    kv_bytes = 2 * num_seqs * ctx * KVH * D * 4
+    times = time_round_robin({
+        "pallas (interpret)": (functools.partial(paged_decode_attention, scale=D ** -0.5, interpret=True),
+                               args),
+        "xla (paged)": (functools.partial(xla_paged_decode_attention, scale=D ** -0.5), args),
+    }, reps=reps)
+    return [(f"S={num_seqs} ctx={ctx}", name, med * 1e3, best * 1e3, kv_bytes / med / 1e9,
+             kv_bytes / med / bw, float("nan")) for name, (med, best) in times.items()]
+
+
+def step_fn(num_layers, backend):
+    def step(kv, q, k, v, md):
+        def layer_fn(kv, xs):
+            layer, q_l, k_l, v_l = xs
+            kv = write_kv(kv, layer, k_l, v_l, md.slot_mapping)
+            return kv, paged_attention(q_l, kv, layer, md, scale=D ** -0.5, backend=backend)
+        return lax.scan(layer_fn, kv, (jnp.arange(num_layers, dtype=jnp.int32), q, k, v))
+    return jax.jit(step, donate_argnums=0)
+
+
+def step_rows(pool_sizes, num_layers, num_seqs, ctx, backend, reps):
+    """Median/min step time per pool size; the pools are timed in turn (round robin)."""
+    rng = np.random.default_rng(1)
+    per_seq = -(-ctx // BS)
+    state = {}
+    for nb in pool_sizes:
+        shape = (num_layers, nb, KVH, BS, D)
+        kv = KVPool(jnp.zeros(shape, DTYPE), jnp.zeros(shape, DTYPE))
+        # Blocks scattered over the whole pool: the worst case for locality.
+        tables = rng.permutation(np.arange(1, nb))[: num_seqs * per_seq].reshape(num_seqs, per_seq)
+        pos = np.full(num_seqs, ctx - 1)
+        slots = tables[:, -1] * BS + pos % BS
+        md = AttentionMetadata(
+            positions=jnp.asarray(pos, jnp.int32), slot_mapping=jnp.asarray(slots, jnp.int32),
+            block_tables=jnp.asarray(tables, jnp.int32), context_lens=jnp.full((num_seqs,), ctx, jnp.int32),
+            query_start_loc=jnp.arange(num_seqs + 1, dtype=jnp.int32), decode_only=True)
+        q = jnp.asarray(rng.standard_normal((num_layers, num_seqs, HQ, D)), DTYPE)
+        k = jnp.asarray(rng.standard_normal((num_layers, num_seqs, KVH, D)), DTYPE)
+        v = jnp.asarray(rng.standard_normal((num_layers, num_seqs, KVH, D)), DTYPE)
+        state[nb] = [kv, (q, k, v, md)]
+    step = step_fn(num_layers, backend)
+    ts = {nb: [] for nb in pool_sizes}
+    for it in range(reps + 2):
+        for nb in pool_sizes:
+            kv, rest = state[nb]
+            t = time.perf_counter()
+            kv, o = step(kv, *rest)  # the pool is donated: rebind it
+            jax.block_until_ready(o)
+            if it >= 2:
+                ts[nb].append(time.perf_counter() - t)
+            state[nb][0] = kv
+    rows = [(nb, backend, 2 * state[nb][0].k.nbytes / 2**20, float(np.median(ts[nb])) * 1e3,
+             float(np.min(ts[nb])) * 1e3) for nb in pool_sizes]
+    del state
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    reps = 5 if args.quick else 15
+    print(f"# bench_kernels  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  "
+          f"jax {jax.__version__}  {jax.default_backend()}  {platform.processor() or platform.machine()}  "
+          f"{os.cpu_count()} CPUs  load {os.getloadavg()[0]:.1f}")
+    copy_bw, read_bw = bandwidth(reps)
+    print(f"\nmemory bandwidth: in-place scale {copy_bw / 1e9:.1f} GB/s (read+write), "
+          f"sum {read_bw / 1e9:.1f} GB/s (read)")
+
+    shapes = [(32, 512), (8, 2048)] if args.quick else [(64, 512), (32, 1024), (8, 2048), (256, 128)]
+    print(f"\n## decode attention, one layer ({HQ} q heads, {KVH} KV heads, head_dim {D}, block {BS}, "
+          f"{jnp.dtype(DTYPE).name}); KV GB/s as fraction of the in-place-scale bandwidth")
+    print(f"{'batch':<16}{'implementation':<27}{'median ms':>10}{'min ms':>9}{'KV GB/s':>9}{'of bw':>7}"
+          f"{'vs contig':>10}")
+    for r in attention_rows(shapes, copy_bw, reps) + pallas_interpret_rows(copy_bw, max(3, reps // 3)):
+        rel = "" if np.isnan(r[6]) else f"{r[6]:>9.2f}x"
+        print(f"{r[0]:<16}{r[1]:<27}{r[2]:>10.2f}{r[3]:>9.2f}{r[4]:>9.2f}{r[5]:>7.0%}{rel}")
+
+    pools = [1024, 4096, 16384]
+    num_layers, num_seqs, ctx = 4, 32, 256
+    print(f"\n## decode step ({num_layers} layers: write_kv + attention, pool donated; "
+          f"{num_seqs} seqs x {ctx} tokens)")
+    print(f"{'pool blocks':>12}  {'backend':<10}{'pool MiB':>9}{'median ms':>11}{'min ms':>9}")
+    for backend in ("xla", "reference"):
+        for r in step_rows(pools, num_layers, num_seqs, ctx, backend, reps):
+            print(f"{r[0]:>12}  {r[1]:<10}{r[2]:>9.0f}{r[3]:>11.2f}{r[4]:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

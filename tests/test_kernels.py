@@ -1,0 +1,336 @@
+"""Every paged-attention kernel against the reference.
+
+Each case is one batch holding all the awkward lengths at once (1, 3, bs-1, bs, bs+1,
+513, 2048 and a zero-length padding row), with blocks scattered through the pool by a
+random permutation, tables wider than needed (padded with the null block), and fresh
+random inputs. Every slot no sequence owns (the null block, free blocks, the tail of a
+last block, the other layer) holds NaN, so a kernel that reads or weighs one fails.
+
+Pallas' interpreter fills every output buffer with NaN before the kernel runs (checked
+by ``test_interpreter_poisons_outputs``), so an output element a program forgets to
+write fails the comparison too.
+
+Each case's batch and reference output are built once and shared by every kernel tested on
+it (compiling the reference dominates the run time otherwise).
+
+Tolerances: float32 ``atol = rtol = 2e-5``; bfloat16 inputs ``atol = rtol = 3e-2``
+(outputs are bf16, one ulp is 2**-8 relative, and the kernels feed bf16 probabilities to
+the PV product).
+
+``TestPallasKernels`` runs in interpret mode everywhere; ``TestPallasKernelsNative``
+repeats it lowered for the GPU and skips when there is none.
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
+from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
+from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
+
+KVH = 2
+NUM_LAYERS = 2
+LAYER = 1
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+HAS_GPU = jax.default_backend() == "gpu"
+
+
+def decode_contexts(bs):
+    return [1, 3, bs - 1, bs, bs + 1, 513, 2048, 0]
+
+
+def ragged_chunks(bs):
+    """(cached, new) per sequence: every context length of decode_contexts, chunks that
+    start mid-block after a cached prefix, decode rows inside a mixed batch, a fresh
+    multi-block prefill and a zero-length row in the middle."""
+    return [(0, 1), (0, 3), (bs - 3, 2), (bs - 1, 1), (0, 0), (3, bs - 2), (512, 1), (2043, 5), (0, 37)]
+
+
+def make_pool(rng, *, block_size, head_dim, contexts, dtype, extra_cols=2, free_blocks=5):
+    """Pool and block tables for sequences of the given context lengths.
+
+    Returns (k, v, block_tables, context_lens); layer LAYER holds the data.
+    """
+    bs = block_size
+    need = [-(-c // bs) for c in contexts]
+    nb = 1 + sum(need) + free_blocks
+    width = max(need) + extra_cols
+    perm = rng.permutation(np.arange(1, nb))
+    tables = np.zeros((len(contexts), width), np.int32)  # padding entries: null block 0
+    owned = np.zeros((nb, bs), bool)
+    i = 0
+    for s, (c, n) in enumerate(zip(contexts, need)):
+        tables[s, :n] = perm[i:i + n]
+        i += n
+        for p in range(c):
+            owned[tables[s, p // bs], p % bs] = True
+    shape = (NUM_LAYERS, nb, KVH, bs, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    stale = np.broadcast_to(~owned[:, None, :], (nb, KVH, bs))
+    for a in (k, v):
+        a[:, stale] = np.nan
+        a[1 - LAYER] = np.nan
+    return (jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables),
+            jnp.asarray(contexts, jnp.int32))
+
+
+def decode_case(seed, *, block_size, ratio, head_dim, dtype):
+    rng = np.random.default_rng(seed)
+    contexts = decode_contexts(block_size)
+    k, v, tables, lens = make_pool(rng, block_size=block_size, head_dim=head_dim, contexts=contexts,
+                                   dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((len(contexts), KVH * ratio, head_dim)), dtype)
+    return q, k, v, jnp.int32(LAYER), tables, lens
+
+
+def ragged_case(seed, *, block_size, ratio, head_dim, dtype, pad_tokens=3):
+    rng = np.random.default_rng(seed)
+    chunks = ragged_chunks(block_size)
+    contexts = [c + n for c, n in chunks]
+    k, v, tables, lens = make_pool(rng, block_size=block_size, head_dim=head_dim, contexts=contexts,
+                                   dtype=dtype)
+    qsl = np.concatenate([[0], np.cumsum([n for _, n in chunks])]).astype(np.int32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in chunks] + [np.zeros(pad_tokens)])
+    T = int(qsl[-1]) + pad_tokens
+    q = jnp.asarray(rng.standard_normal((T, KVH * ratio, head_dim)), dtype)
+    return (q, k, v, jnp.int32(LAYER), tables, lens, jnp.asarray(qsl)), jnp.asarray(positions, jnp.int32)
+
+
+def assert_matches(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
+    np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def scale_for(head_dim):
+    return head_dim ** -0.5
+
+
+ref_decode = jax.jit(ref_paged_decode_attention, static_argnames="scale")
+ref_ragged = jax.jit(ref_ragged_paged_attention, static_argnames="scale")
+
+
+# Full sweeps on float32; head_dim 128 and bfloat16 on a representative subset.
+SWEEP = [dict(block_size=bs, ratio=r, head_dim=64, dtype=jnp.float32)
+         for bs in (8, 16, 32) for r in (1, 3, 4, 8)]
+SUBSET = [
+    dict(block_size=16, ratio=3, head_dim=128, dtype=jnp.float32),
+    dict(block_size=8, ratio=8, head_dim=128, dtype=jnp.float32),
+    dict(block_size=32, ratio=1, head_dim=128, dtype=jnp.float32),
+    dict(block_size=16, ratio=3, head_dim=64, dtype=jnp.bfloat16),
+    dict(block_size=8, ratio=4, head_dim=128, dtype=jnp.bfloat16),
+]
+CASES = SWEEP + SUBSET
+
+
+def case_id(c):
+    return f"bs{c['block_size']}-r{c['ratio']}-d{c['head_dim']}-{jnp.dtype(c['dtype']).name}"
+
+
+def seed_of(c):
+    return zlib.crc32(case_id(c).encode())
+
+
+# One batch (and one reference result) per case, shared by every kernel tested on it.
+@functools.cache
+def decode_inputs(cid):
+    case = next(c for c in CASES if case_id(c) == cid)
+    args = decode_case(seed_of(case), **case)
+    return args, ref_decode(*args, scale=scale_for(case["head_dim"]))
+
+
+@functools.cache
+def ragged_inputs(cid):
+    case = next(c for c in CASES if case_id(c) == cid)
+    args, positions = ragged_case(seed_of(case) + 1, **case)
+    return args, ref_ragged(*args, positions, scale=scale_for(case["head_dim"]))
+
+
+class TestPallasKernels:
+    INTERPRET = True
+
+    @pytest.mark.parametrize("num_splits", [1, None], ids=["single-pass", "split-k-auto"])
+    @pytest.mark.parametrize("case", CASES, ids=case_id)
+    def test_decode(self, case, num_splits):
+        args, ref = decode_inputs(case_id(case))
+        if num_splits is None:  # the 2048 row makes the table wide enough for split-K
+            assert auto_num_splits(args[4].shape[1] * case["block_size"], args[0].shape[0] * KVH) > 1
+        out = paged_decode_attention(*args, scale=scale_for(case["head_dim"]), num_splits=num_splits,
+                                     interpret=self.INTERPRET)
+        assert_matches(out, ref, case["dtype"])
+
+    @pytest.mark.parametrize("num_splits", [2, 5])
+    def test_decode_split_k_override(self, num_splits):
+        # 5 partitions: short rows leave most partitions empty (l = 0), one is ragged.
+        case = dict(block_size=16, ratio=3, head_dim=64, dtype=jnp.float32)
+        args = decode_case(num_splits, **case)
+        out = paged_decode_attention(*args, scale=0.1, num_splits=num_splits, interpret=self.INTERPRET)
+        assert_matches(out, ref_decode(*args, scale=0.1), jnp.float32)
+
+    @pytest.mark.parametrize("case", CASES, ids=case_id)
+    def test_ragged(self, case):
+        args, ref = ragged_inputs(case_id(case))
+        out = ragged_paged_attention(*args, scale=scale_for(case["head_dim"]), interpret=self.INTERPRET)
+        assert_matches(out, ref, case["dtype"])
+
+    @pytest.mark.parametrize("block_q", [4, 32])  # 4 * next_pow2(4) = 16 rows: the GPU minimum
+    def test_ragged_block_q(self, block_q):
+        case = dict(block_size=16, ratio=4, head_dim=64, dtype=jnp.float32)
+        args, positions = ragged_case(block_q, **case)
+        out = ragged_paged_attention(*args, scale=0.1, block_q=block_q, pages_per_chunk=2,
+                                     interpret=self.INTERPRET)
+        assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="native Pallas kernels need a GPU")
+class TestPallasKernelsNative(TestPallasKernels):
+    INTERPRET = False
+
+
+class TestXlaKernels:
+    @pytest.mark.parametrize("case", CASES, ids=case_id)
+    def test_decode(self, case):
+        args, ref = decode_inputs(case_id(case))
+        out = xla_paged_decode_attention(*args, scale=scale_for(case["head_dim"]))
+        assert_matches(out, ref, case["dtype"])
+
+    @pytest.mark.parametrize("case", CASES, ids=case_id)
+    def test_ragged(self, case):
+        args, ref = ragged_inputs(case_id(case))
+        out = xla_ragged_paged_attention(*args, scale=scale_for(case["head_dim"]))
+        assert_matches(out, ref, case["dtype"])
+
+    @pytest.mark.parametrize("pages_per_chunk", [1, 3])
+    def test_chunk_size_does_not_change_results(self, pages_per_chunk):
+        case = dict(block_size=8, ratio=3, head_dim=64, dtype=jnp.float32)
+        args = decode_case(11, **case)
+        out = xla_paged_decode_attention(*args, scale=0.1, pages_per_chunk=pages_per_chunk)
+        assert_matches(out, ref_decode(*args, scale=0.1), jnp.float32)
+        args, positions = ragged_case(12, **case)
+        out = xla_ragged_paged_attention(*args, scale=0.1, block_q=3, pages_per_chunk=pages_per_chunk)
+        assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
+
+
+def test_split_k_is_chosen_for_long_tables_on_small_grids():
+    assert auto_num_splits(2048, 8) == 1  # short table: single pass
+    assert auto_num_splits(8192, 8) == 8  # long table, few programs: one partition per 1024 keys
+    assert auto_num_splits(8192, 64) == 4  # capped so the grid reaches ~256 programs
+    assert auto_num_splits(8192, 512) == 1  # the grid is full without splitting
+
+
+def test_interpreter_poisons_outputs():
+    """The assumption behind 'unwritten outputs fail': interpret mode starts from NaN."""
+    def kernel(o_ref):
+        o_ref[0] = jnp.ones((8,), jnp.float32)  # writes row 0 only
+
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((2, 8), jnp.float32), interpret=True)()
+    assert np.all(np.asarray(out[0]) == 1) and np.all(np.isnan(np.asarray(out[1])))
+
+
+# ---------------------------------------------------------------- lowering for CUDA
+
+
+def _lower_for_cuda(f, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_lowers_to_triton(dtype, num_splits):
+    args = decode_case(0, block_size=16, ratio=3, head_dim=64, dtype=dtype)
+    f = functools.partial(paged_decode_attention, scale=0.125, num_splits=num_splits, interpret=False)
+    assert "__gpu$xla.gpu.triton" in _lower_for_cuda(f, *args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_lowers_to_triton(dtype):
+    args, _ = ragged_case(0, block_size=16, ratio=3, head_dim=64, dtype=dtype)
+    f = functools.partial(ragged_paged_attention, scale=0.125, interpret=False)
+    assert "__gpu$xla.gpu.triton" in _lower_for_cuda(f, *args)
+
+
+# ---------------------------------------------------------------- input validation
+
+DECODE_IMPLS = {"pallas": paged_decode_attention, "xla": xla_paged_decode_attention}
+RAGGED_IMPLS = {"pallas": ragged_paged_attention, "xla": xla_ragged_paged_attention}
+
+
+@pytest.fixture(scope="module")
+def small_decode():
+    return decode_case(5, block_size=8, ratio=3, head_dim=64, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_rejects_heads_not_divisible(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    with pytest.raises(ValueError, match="num_heads=5 is not a multiple of num_kv_heads=2"):
+        DECODE_IMPLS[impl](q[:, :5], k, v, layer, bt, lens, scale=0.1)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_rejects_dtype_mismatch(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    with pytest.raises(ValueError, match="q dtype bfloat16 != pool dtype float32"):
+        DECODE_IMPLS[impl](q.astype(jnp.bfloat16), k, v, layer, bt, lens, scale=0.1)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_rejects_block_size_mismatch(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    with pytest.raises(ValueError, match="block_size 8 vs 4"):
+        DECODE_IMPLS[impl](q, k, v[:, :, :, :4], layer, bt, lens, scale=0.1)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_rejects_head_dim_mismatch(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    with pytest.raises(ValueError, match="q head_dim 32 != pool head_dim 64"):
+        DECODE_IMPLS[impl](q[..., :32], k, v, layer, bt, lens, scale=0.1)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_rejects_block_ids_outside_the_pool(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    nb = k.shape[1]
+    with pytest.raises(ValueError, match=f"block table entry {nb + 3} is outside the pool of {nb} blocks"):
+        DECODE_IMPLS[impl](q, k, v, layer, bt.at[2, 0].set(nb + 3), lens, scale=0.1)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_debug_checks_traced_block_tables(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    nb = k.shape[1]
+    f = jax.jit(functools.partial(DECODE_IMPLS[impl], scale=0.1, debug=True))
+    f(q, k, v, layer, bt, lens).block_until_ready()  # a valid table passes
+    with pytest.raises(Exception, match=f"outside the pool of {nb} blocks"):
+        f(q, k, v, layer, bt.at[2, 0].set(nb), lens).block_until_ready()
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_decode_rejects_more_tokens_than_sequences(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    with pytest.raises(ValueError, match="one query per sequence"):
+        DECODE_IMPLS[impl](jnp.concatenate([q, q]), k, v, layer, bt, lens, scale=0.1)
+
+
+@pytest.mark.parametrize("impl", RAGGED_IMPLS)
+def test_ragged_rejects_bad_query_start_loc(impl, small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    with pytest.raises(ValueError, match="query_start_loc must be int32"):
+        RAGGED_IMPLS[impl](q, k, v, layer, bt, lens, jnp.arange(3, dtype=jnp.int32), scale=0.1)
+
+
+def test_native_pallas_rejects_non_power_of_two_tiles(small_decode):
+    q, k, v, layer, bt, lens = small_decode
+    with pytest.raises(ValueError, match="head_dim=48 must be a power of two"):
+        paged_decode_attention(q[..., :48], k[..., :48], v[..., :48], layer, bt, lens, scale=0.1,
+                               interpret=False)
