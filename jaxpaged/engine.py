@@ -556,7 +556,8 @@ class LLM:
             "prefix_cache_queries": pc.queries, "prefix_cache_hits": pc.hits,
             "prefix_cache_hit_rate": pc.hit_rate, "prefix_cache_evictions": pc.evictions,
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_swapped_out_blocks": m.num_host_blocks_used,
+            "num_swapped_out_blocks": self.scheduler.num_swapped_out_blocks,  # total over the run
+            "num_host_blocks_used": m.num_host_blocks_used,
             "num_steps": self.num_steps, "num_compiled_shapes": len(self.runner.compiled_shapes),
             "time_schedule_s": self.timers.schedule, "time_batch_s": self.timers.batch,
             "time_device_s": self.timers.device, "time_postprocess_s": self.timers.postprocess,

@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: collections.deque[Request] = collections.deque()
         self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0  # total over the run
 
     # ---- queues ---------------------------------------------------------------------
 
@@ -219,7 +220,9 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.seq.request is not req]
         if self.preemption_mode == "swap" and self._fits_host(seqs):
             for s in seqs:
-                out.block_ops += [("out", d, h) for d, h in self.bm.swap_out(s.seq_id)]
+                pairs = self.bm.swap_out(s.seq_id)
+                self.num_swapped_out_blocks += len(pairs)
+                out.block_ops += [("out", d, h) for d, h in pairs]
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
             return
