@@ -18,10 +18,16 @@ The pipeline follows vLLM v1's sampler, row by row with each row's own parameter
 Why it costs little:
 
 - ``min_p`` needs no softmax: ``p_i >= min_p * p_max`` iff ``l_i >= l_max + log(min_p)``.
-- ``top_k`` and ``top_p`` become one logit threshold per row, found among the ``C``
-  largest logits from ``lax.top_k``; ``C = top_k_bound`` is static, the next power of two
-  above the batch's largest ``top_k``. Only a row asking for ``top_p`` without ``top_k``
-  forces ``C = V`` (a full sort); a batch with neither skips this entirely.
+- ``top_k`` and ``top_p`` become one logit threshold per row, without sorting the
+  vocabulary (on XLA:CPU a full-row ``top_k`` costs 10-25 ms per 49152-entry row, and
+  compiling it with a full-row cumsum 1-2 s). The k-th largest logit comes from
+  ``lax.top_k`` over the ``C = top_k_bound`` largest (the next power of two above the
+  batch's largest ``top_k``), or, for ``C > 1024``, from a bisection on counts. When
+  every ``top_p`` row also has a ``top_k``, its nucleus is found in those ``C`` sorted
+  logits too. Otherwise (static ``top_p_search``) each row's nucleus comes from a
+  bisection on the logit cut-off that measures the probability mass above it: 32 masked
+  sums over the row halve an interval of int32 order keys of float32 logits down to one
+  float, so the kept set is exactly the one a sorted cumulative sum would give.
 - Tokens are kept by comparing the full-vocab logits with the threshold, and the Gumbel
   noise is indexed by token id, so a row's draw never depends on ``C``.
 - The noise of a row comes from ``fold_in(key(seed), output_pos)``: a request's tokens
@@ -37,14 +43,14 @@ Why it costs little:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import Array, Float, Int, UInt32
+from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from jaxpaged.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
@@ -68,7 +74,13 @@ class SamplingMetadata:
     banned_ids: Int[Array, "S M"]  # EOS + stop ids while output < min_tokens; -1 pads; M may be 0
     rng_key: UInt32[Array, "S 2"]  # threefry2x32 key data of jax.random.key(seed)
     output_pos: Int[Array, "S"]  # index in the output of the token sampled now (= tokens so far)
-    top_k_bound: int = dataclasses.field(default=0, metadata=dict(static=True))  # C; 0: no truncation
+    # The static truncation plan. C >= every row's top_k, a power of two or V (0: no row
+    # uses top_k); the k-th largest logits come from lax.top_k(C) if C <= MAX_TOP_K_WINDOW,
+    # else from a bisection on counts.
+    top_k_bound: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # Some top_p row has no top_k window to find its nucleus in (no top_k, or C is past
+    # MAX_TOP_K_WINDOW): nuclei come from a bisection on mass over the whole row.
+    top_p_search: bool = dataclasses.field(default=False, metadata=dict(static=True))
     all_greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))  # skip the draw
 
 
@@ -117,37 +129,123 @@ def process_logits(
     return apply_penalties(logits, sm) if use_penalties else logits
 
 
-def _top_k_top_p_threshold(
-    logits: Float[Array, "S V"], min_p_threshold: Float[Array, "S"], sm: SamplingMetadata
+MAX_TOP_K_WINDOW = 1024  # past this, lax.top_k on XLA:CPU costs more than counting (V=49152)
+
+
+def _order_key(x: Float[Array, "*"]) -> Int[Array, "*"]:
+    """int32 with the order of float32 ``x`` (NaN aside): bisect on floats as integers."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _from_order_key(key: Int[Array, "*"]) -> Float[Array, "*"]:
+    return lax.bitcast_convert_type(jnp.where(key >= 0, key, key ^ 0x7FFFFFFF), jnp.float32)
+
+
+def _smallest_logit_where(
+    holds: Callable[[Float[Array, "S"]], Bool[Array, "S"]], row_max: Float[Array, "S"]
 ) -> Float[Array, "S"]:
-    """Smallest logit a row keeps under top-k then top-p (-inf for rows using neither)."""
+    """Per row, the smallest float ``t <= row_max`` where ``holds(t)`` is true.
+
+    ``holds`` maps a float per row to a bool per row; it must be monotone in ``t`` (false,
+    then true), true at ``row_max`` and false below -inf. Bisection on the int32 order
+    keys: 32 steps take any bracket of them down to one float, so the answer is exact.
+    """
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        ok = holds(_from_order_key(mid)) & (mid != lo)  # mid == lo once converged: stay
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    lo = jnp.full(row_max.shape, _order_key(jnp.float32(-jnp.inf)) - 1)  # below -inf
+    return _from_order_key(lax.fori_loop(0, 32, step, (lo, _order_key(row_max)))[1])
+
+
+def _kth_largest(logits: Float[Array, "S V"], row_max: Float[Array, "S"], k: Int[Array, "S"]
+                 ) -> Float[Array, "S"]:
+    """The k-th largest logit of each row (1 <= k <= V), by bisection on counts."""
+    # Fewer than k logits above t  <=>  t >= the k-th largest.
+    return _smallest_logit_where(
+        lambda t: jnp.sum(logits > t[:, None], axis=-1, dtype=jnp.int32) < k, row_max)
+
+
+def _nucleus_cut(
+    logits: Float[Array, "S V"], probs: Float[Array, "S V"], row_max: Float[Array, "S"],
+    top_p: Float[Array, "S"],
+) -> Float[Array, "S"]:
+    """Smallest logit each row keeps under ``top_p``, by bisection on probability mass.
+
+    ``probs`` are the unnormalised probabilities of the tokens still kept (0 for the
+    others). vLLM keeps a token while the mass strictly above it is < top_p, so token i
+    stays iff ``F(l_i) < top_p * sum(probs)`` with ``F(t)`` the mass of logits > t. F falls
+    as t rises: the kept tokens are those with ``l_i >= t*``, t* the smallest float where
+    ``F(t*) < top_p * sum(probs)``; tokens tied with t* are all kept.
+    """
+    target = top_p * jnp.sum(probs, axis=-1)
+    return _smallest_logit_where(
+        lambda t: jnp.sum(jnp.where(logits > t[:, None], probs, 0.0), axis=-1) < target, row_max)
+
+
+def _window_thresholds(
+    logits: Float[Array, "S V"], row_max: Float[Array, "S"], threshold: Float[Array, "S"],
+    sm: SamplingMetadata,
+) -> Float[Array, "S"]:
+    """Raise ``threshold`` to each row's top-k cut and, unless ``top_p_search``, top-p cut.
+
+    Both cuts lie among the C largest logits: every top_k is <= C, and without
+    ``top_p_search`` every top_p row has a top_k. Logits tied with the top-k cut may go on
+    past the C; top-p counts them in the mass it takes its share of, as the whole-row
+    search does, so a row's cut never depends on C, that is on the batch.
+    """
     bound = sm.top_k_bound
     vals = lax.top_k(logits, bound)[0]  # [S, C], descending
-    k = jnp.where(sm.top_k > 0, jnp.minimum(sm.top_k, bound), bound)
-    # Both masks keep a prefix of `vals`: min_p's threshold, then the k largest.
-    valid = (jnp.arange(bound)[None, :] < k[:, None]) & (vals >= min_p_threshold[:, None])
-    probs = jax.nn.softmax(jnp.where(valid, vals, -jnp.inf), axis=-1)
-    # vLLM drops a token when the mass of it and all smaller ones is <= 1 - top_p, i.e.
-    # keeps it while the mass strictly above it is < top_p (the top token always stays).
-    mass_above = jnp.cumsum(probs, axis=-1) - probs
-    top_p = sm.top_p[:, None]
-    keep = valid & ((mass_above < top_p) | (top_p >= 1.0))
+    k = jnp.clip(sm.top_k, 1, bound)
+    kth = jnp.take_along_axis(vals, (k - 1)[:, None], axis=-1)[:, 0]
+    threshold = jnp.maximum(threshold, jnp.where(sm.top_k > 0, kth, -jnp.inf))
+    if sm.top_p_search:
+        return threshold
+    # Kept tokens are a prefix of `vals`: those with less than top_p of the mass above them.
+    valid = vals >= threshold[:, None]
+    probs = jnp.where(valid, jnp.exp(vals - row_max[:, None]), 0.0)
+    mass_above = jnp.cumsum(probs, axis=-1) - probs  # the first of equal logits sees the true mass
+    top_p = sm.top_p
+    in_window = valid.sum(axis=-1, dtype=jnp.int32)
+    # min, not vals[:, -1]: XLA would merge that slice into top_k's and fall back to a sort.
+    ties_past = (top_p < 1.0) & (jnp.min(vals, axis=-1) >= threshold)
+
+    def count_ties_past(_):
+        return jnp.sum(logits >= threshold[:, None], axis=-1, dtype=jnp.int32) - in_window
+
+    num_past = lax.cond(jnp.any(ties_past), count_ties_past,
+                        lambda _: jnp.zeros_like(in_window), None)
+    total = probs.sum(axis=-1) + num_past * jnp.exp(threshold - row_max)
+    keep = valid & (mass_above < (top_p * total)[:, None])
     num_keep = jnp.maximum(keep.sum(axis=-1), 1)
-    threshold = jnp.take_along_axis(vals, (num_keep - 1)[:, None], axis=-1)[:, 0]
-    return jnp.where((sm.top_k > 0) | (sm.top_p < 1.0), threshold, -jnp.inf)
+    top_p_cut = jnp.take_along_axis(vals, (num_keep - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where(top_p < 1.0, jnp.maximum(threshold, top_p_cut), threshold)
 
 
 def truncate_logits(logits: Float[Array, "S V"], sm: SamplingMetadata) -> Float[Array, "S V"]:
     """Temperature, then min-p, top-k and top-p as -inf: the rows' sampling distributions.
 
     ``softmax`` of the result is the distribution a non-greedy row samples from. Ties at
-    a row's threshold are all kept.
+    a row's top-k or top-p cut-off are all kept, and top-p takes its fraction of the mass
+    that min-p and top-k kept, ties included.
     """
     greedy = sm.temperature < SAMPLING_EPS
     logits = logits / jnp.where(greedy, 1.0, sm.temperature)[:, None]
-    threshold = jnp.max(logits, axis=-1) + jnp.log(sm.min_p)  # -inf where min_p == 0
-    if sm.top_k_bound:
-        threshold = jnp.maximum(threshold, _top_k_top_p_threshold(logits, threshold, sm))
+    row_max = jnp.max(logits, axis=-1)
+    threshold = row_max + jnp.log(sm.min_p)  # -inf where min_p == 0
+    if 0 < sm.top_k_bound <= MAX_TOP_K_WINDOW:
+        threshold = _window_thresholds(logits, row_max, threshold, sm)
+    elif sm.top_k_bound:
+        kth = _kth_largest(logits, row_max, jnp.clip(sm.top_k, 1, logits.shape[1]))
+        threshold = jnp.maximum(threshold, jnp.where(sm.top_k > 0, kth, -jnp.inf))
+    if sm.top_p_search:
+        probs = jnp.where(logits >= threshold[:, None], jnp.exp(logits - row_max[:, None]), 0.0)
+        cut = _nucleus_cut(logits, probs, row_max, sm.top_p)
+        threshold = jnp.where(sm.top_p < 1.0, jnp.maximum(threshold, cut), threshold)
     return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
 
 
@@ -272,13 +370,10 @@ def build_sampling_metadata(
     for i, b in enumerate(biases):
         bias_values[i, : len(b)] = list(b.values())
 
-    truncating = [(k, p) for k, p in zip(top_k, top_p) if k > 0 or p < 1]
-    if not truncating:
-        top_k_bound = 0
-    elif any(k == 0 for k, _ in truncating):  # top_p without top_k needs the whole sorted row
-        top_k_bound = vocab_size
-    else:
-        top_k_bound = min(vocab_size, _bucket(max(int(k) for k, _ in truncating)))
+    max_top_k = int(top_k.max(initial=0))
+    top_k_bound = min(vocab_size, _bucket(max_top_k))
+    windowed = 0 < top_k_bound <= MAX_TOP_K_WINDOW  # a top_k row's nucleus lies in the window
+    top_p_search = bool(np.any((top_p < 1) & ((top_k == 0) | (not windowed))))
     num_logprobs = min(_bucket(max((r.params.logprobs or 0 for r in rows), default=0)),
                        MAX_LOGPROBS, vocab_size)
     sm = SamplingMetadata(
@@ -289,7 +384,7 @@ def build_sampling_metadata(
         bias_ids=bias_ids, bias_values=bias_values,
         banned_ids=_padded_ids(banned, num_rows),
         rng_key=rng_key, output_pos=output_pos,
-        top_k_bound=top_k_bound,
+        top_k_bound=top_k_bound, top_p_search=top_p_search,
         all_greedy=all(r.params.is_greedy for r in rows),
     )
     return sm, num_logprobs, use_penalties

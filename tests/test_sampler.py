@@ -47,22 +47,43 @@ def softmax(x):
     return e / e.sum()
 
 
-def ref_probs(processed, p):
-    """The distribution vLLM samples from: temperature, min_p, top_k, top_p (in that order)."""
-    if p.is_greedy:
-        return np.eye(len(processed))[np.argmax(processed)]
-    x = processed / p.temperature
+def ref_keep_before_top_p(x, p):
+    """min_p then top_k on logits ``x``: a token tied with the k-th largest stays too."""
     probs = softmax(x)
     keep = probs >= p.min_p * probs.max()
     if 0 < p.top_k < len(x):
-        keep[np.argsort(-np.where(keep, x, -np.inf), kind="stable")[p.top_k:]] = False
+        kept = np.sort(x[keep])[::-1]
+        keep &= x >= (kept[p.top_k - 1] if len(kept) >= p.top_k else -np.inf)
+    return keep
+
+
+def ref_mass_above(x, keep):
+    """Each token's share of the kept mass held by tokens with strictly larger logits."""
+    q = np.where(keep, softmax(x), 0.0)
+    q /= q.sum()
+    order = np.argsort(-x, kind="stable")
+    sorted_x = x[order]
+    before = np.concatenate([[0.0], np.cumsum(q[order])])
+    above = np.empty_like(q)
+    above[order] = before[np.searchsorted(-sorted_x, -sorted_x, side="left")]  # first of ties
+    return above
+
+
+def ref_probs(processed, p):
+    """The distribution vLLM samples from: temperature, min_p, top_k, top_p (in that order).
+
+    vLLM's top_p drops a token when it and all smaller ones hold <= 1 - top_p of the mass,
+    i.e. keeps it while the mass strictly above it is < top_p. Here ties at the top_k and
+    top_p cut-offs are all kept, and top_p takes its share of all that top_k kept.
+    """
+    if p.is_greedy:
+        return np.eye(len(processed))[np.argmax(processed)]
+    # Divide in the input's precision, as the sampler does, then work in float64.
+    x = (processed / processed.dtype.type(p.temperature)).astype(np.float64)
+    keep = ref_keep_before_top_p(x, p)
     if p.top_p < 1:
-        q = np.where(keep, probs, 0.0) / probs[keep].sum()
-        order = np.argsort(q, kind="stable")  # ascending, as vLLM
-        drop = np.cumsum(q[order]) <= 1 - p.top_p
-        drop[-1] = False
-        keep[order[drop]] = False
-    q = np.where(keep, probs, 0.0)
+        keep &= ref_mass_above(x, keep) < p.top_p
+    q = np.where(keep, softmax(x), 0.0)
     return q / q.sum()
 
 
@@ -112,19 +133,127 @@ TRUNCATION = [
 ]
 
 
-@pytest.mark.parametrize("params", [TRUNCATION, [SP(top_k=3), SP(top_k=5, top_p=0.6), SP(),
-                                                 SP(min_p=0.2, top_k=2), SP(temperature=0.3)]],
-                         ids=["full-sort", "top-k-bound-8"])
-def test_truncated_distribution_matches_reference(params):
+def assert_matches_reference(logits, params, got_logits):
+    got = np.asarray(jax.nn.softmax(got_logits, axis=-1))
+    for i, p in enumerate(params):
+        want = ref_probs(logits[i], p)
+        np.testing.assert_array_equal(got[i] > 0, want > 0, err_msg=f"support of row {i}: {p}")
+        np.testing.assert_allclose(got[i], want, atol=1e-6, err_msg=f"row {i}: {p}")
+
+
+@pytest.mark.parametrize("params, plan", [
+    (TRUNCATION, (16, True)),  # top_p rows without top_k: bisection over the vocab
+    ([SP(top_k=3), SP(top_k=5, top_p=0.6), SP(), SP(min_p=0.2, top_k=2), SP(temperature=0.3)],
+     (8, False)),  # every top_p row has a top_k: top-k and top-p among the 8 largest
+], ids=["vocab-search", "top-k-window-8"])
+def test_truncated_distribution_matches_reference(params, plan):
     logits = random_logits(2, 8)
     rows = [SamplingRow(p, i, [], []) for i, p in enumerate(params)]
     sm, _, _ = build_sampling_metadata(rows, 8, V, [EOS])
-    assert sm.top_k_bound == (V if len(params) == len(TRUNCATION) else 8)
-    got = np.asarray(jax.nn.softmax(truncate_jit(logits, sm), axis=-1))
-    for i, p in enumerate(params):
-        want = ref_probs(logits[i].astype(np.float64), p)
-        np.testing.assert_array_equal(got[i] > 0, want > 0, err_msg=f"support of row {i}: {p}")
-        np.testing.assert_allclose(got[i], want, atol=1e-6, err_msg=f"row {i}: {p}")
+    assert (sm.top_k_bound, sm.top_p_search) == plan
+    assert_matches_reference(logits, params, truncate_jit(logits, sm))
+
+
+def truncate_rows(logits, params):
+    rows = [SamplingRow(p, i, [], []) for i, p in enumerate(params)]
+    sm, _, _ = build_sampling_metadata(rows, len(logits), logits.shape[1], [EOS])
+    return np.asarray(truncate_jit(logits, sm)), sm
+
+
+def test_ties_at_a_cut_are_all_kept():
+    logits = np.linspace(-3.0, -1.0, V, dtype=np.float32)  # distinct, below the ones set next
+    logits[[7, 8, 9, 10]] = [4.0, 2.5, 2.5, 2.5]
+    logits[[20, 21]] = 2.0
+    p_top = np.exp(4.0) / np.exp(logits.astype(np.float64)).sum()
+    cases = [  # (params, the kept token ids)
+        (SP(top_k=2), [7, 8, 9, 10]),  # the 2nd largest is tied three times
+        (SP(top_k=6), [7, 8, 9, 10, 20, 21]),
+        (SP(top_p=0.5 * p_top), [7]),
+        (SP(top_p=p_top + 1e-3), [7, 8, 9, 10]),  # the cut falls inside the tie
+        (SP(top_k=5, min_p=np.exp(-2.5)), [7, 8, 9, 10, 20, 21]),
+        (SP(top_k=5, min_p=np.exp(-2.5), top_p=0.8), [7, 8, 9, 10]),  # 2.0 has 0.86 above it
+    ]
+    windowed = [(p, kept) for p, kept in cases if p.top_k > 0]  # top-p found among the 8 largest
+    for batch, search in ((cases, True), (windowed, False)):
+        got, sm = truncate_rows(np.tile(logits, (len(batch), 1)), [p for p, _ in batch])
+        assert sm.top_p_search == search
+        for row, (p, kept) in zip(got, batch):
+            np.testing.assert_array_equal(np.flatnonzero(row > -np.inf), kept, err_msg=str(p))
+
+
+# ------------------------------------------------------------------ full-size vocabulary
+
+BIG_V = 49152  # SmolLM2's
+
+
+def big_rows(seed):
+    """Logits of the shapes that stress a nucleus cut, fresh for each seed."""
+    rng = np.random.default_rng(seed)
+    normal = lambda scale: scale * rng.standard_normal(BIG_V)
+    peaked = normal(1.0) - 10.0
+    peaked[rng.choice(BIG_V, 20, replace=False)] = rng.normal(10.0, 2.0, 20)
+    tied = rng.normal(-3.0, 1.0, BIG_V)  # 10 leaders, then ~3000 tokens tied at 1.25
+    tied[rng.choice(BIG_V, 3000, replace=False)] = 1.25
+    tied[rng.choice(BIG_V, 10, replace=False)] = rng.normal(5.0, 1.0, 10)
+    levels = rng.integers(-6, 7, BIG_V) / 2.0  # 13 levels: every cut is among ties
+    banned = normal(3.0)
+    banned[rng.choice(BIG_V, 50, replace=False)] = -np.inf  # as min_tokens / logit_bias do
+    return dict(normal=normal(3.0), flat=normal(0.01), wide=normal(1.0), peaked=peaked,
+                tied=tied, levels=levels, banned=banned)
+
+
+def mid_gap_top_p(logits, p, near):
+    """A top_p near ``near`` halfway between two possible cuts: float32 sums decide it
+    the same way as float64 ones (a flat row's gaps are only ~1/V of the mass)."""
+    x = (logits / np.float32(p.temperature)).astype(np.float64)
+    keep = ref_keep_before_top_p(x, p)
+    cuts = np.append(np.unique(ref_mass_above(x, keep)[keep]), 1.0)
+    j = np.searchsorted(cuts, near).clip(1, len(cuts) - 1)
+    assert cuts[j] - cuts[j - 1] > 1e-5, "no robust cut near this top_p"
+    return float(np.float32((cuts[j - 1] + cuts[j]) / 2))
+
+
+def test_full_vocab_rows_match_reference_under_every_plan():
+    rows = big_rows(13)
+    cases = [  # (logits, params, top_p near): top_p=None keeps params.top_p
+        ("normal", SP(temperature=0.8), 0.9),
+        ("flat", SP(), 0.9),  # keeps ~44000 tokens
+        ("wide", SP(), 3e-3),  # top_p close to 0: a few tokens
+        ("peaked", SP(temperature=0.7), 0.999),  # top_p close to 1
+        ("normal", SP(top_p=1e-6), None),  # only the top token
+        ("levels", SP(temperature=1.3), 0.6),  # cut inside a group of ~3800 ties
+        ("banned", SP(min_p=0.02), 0.95),
+        # top_k keeps all ~3000 ties and top_p takes its share of them all (normalising
+        # over the first 50 only would keep 1 token here, not 2)
+        ("tied", SP(top_k=50, min_p=1e-3), 0.1),
+        ("normal", SP(top_k=50, min_p=0.01, temperature=1.3), 0.7),
+        ("levels", SP(top_k=40), None),  # top_k inside a tie group
+        ("flat", SP(top_k=2000, temperature=0.5), 0.5),  # past the lax.top_k window: counting
+        ("banned", SP(top_k=1500), None),
+    ]
+    logits = np.stack([rows[name] for name, _, _ in cases]).astype(np.float32)
+    params = [p if near is None else p.replace(top_p=mid_gap_top_p(row, p, near))
+              for row, (_, p, near) in zip(logits, cases)]
+    plans = {  # rows -> (top_k_bound, top_p_search)
+        tuple(range(12)): (2048, True),  # k up to 2000: every cut by bisection over the vocab
+        tuple(range(10)): (64, True),  # k-th largest from lax.top_k(64), nuclei by bisection
+        (7, 8, 9): (64, False),  # every top_p row has a top_k: all among the 64 largest
+    }
+    results = {}
+    for idx, plan in plans.items():
+        batch = [SamplingRow(params[i], 0, [], []) for i in idx]
+        sm, _, _ = build_sampling_metadata(batch, len(idx), BIG_V, [EOS])
+        assert (sm.top_k_bound, sm.top_p_search) == plan
+        truncate = truncate_jit.lower(logits[list(idx)], sm).compile()
+        # XLA:CPU takes ~25 ms to sort a row; top_k becomes a sort if its output is sliced.
+        assert " sort(" not in truncate.as_text()
+        got = np.asarray(truncate(logits[list(idx)], sm))
+        assert_matches_reference(logits[list(idx)], [params[i] for i in idx], got)
+        for i, row in zip(idx, got):
+            results.setdefault(i, []).append(row)
+    for i, same_row in results.items():  # a row's cut never depends on the batch's plan
+        for other in same_row[1:]:
+            np.testing.assert_array_equal(other, same_row[0], err_msg=f"row {i}: {params[i]}")
 
 
 # ------------------------------------------------------------------ sampling
@@ -199,7 +328,7 @@ def test_same_seed_and_position_give_the_same_token_in_any_batch():
     mixed_logits = np.concatenate([random_logits(8, 2), np.repeat(row_logits, 8, 0),
                                    random_logits(9, 6)])  # padding rows get logits too
     mixed, sm = run(mixed_rows, mixed_logits, padded_rows=16)
-    assert sm.top_k_bound == V
+    assert (sm.top_k_bound, sm.top_p_search) == (2, True)
     np.testing.assert_array_equal(np.asarray(mixed.tokens)[2:10][::-1], alone.tokens)
     assert len(set(np.asarray(alone.tokens[:4]).tolist())) > 1, "different seeds, same token"
 
@@ -271,6 +400,22 @@ def test_builder_pads_to_powers_of_two_and_buckets_statics():
     np.testing.assert_array_equal(sm.temperature[2:], 0.0)  # padding rows are greedy
     assert build_sampling_metadata([(SP(logprobs=MAX_LOGPROBS), 0, [], [])], 1, V, [])[1] == MAX_LOGPROBS
     assert build_sampling_metadata([(SP(temperature=0), 0, [], [])], 1, V, [])[0].top_k_bound == 0
+
+
+@pytest.mark.parametrize("params, plan", [
+    ([SP(), SP(temperature=0)], (0, False)),
+    ([SP(top_k=20), SP(min_p=0.1)], (32, False)),
+    ([SP(top_k=20, top_p=0.9), SP(top_k=3)], (32, False)),  # nucleus within the 32 largest
+    ([SP(top_k=20), SP(top_p=0.9)], (32, True)),  # top_p without top_k: search the row
+    ([SP(top_p=0.9)], (0, True)),
+    ([SP(top_k=1024, top_p=0.5)], (1024, False)),  # the largest lax.top_k window
+    ([SP(top_k=1025, top_p=0.5)], (2048, True)),  # past it: count, and search the nucleus
+    ([SP(top_k=BIG_V, top_p=0.5), SP(top_k=BIG_V + 1)], (0, True)),  # top_k >= V is off
+], ids=["none", "top-k", "top-k-and-p", "mixed", "top-p", "window-1024", "count-2048",
+        "top-k-off"])
+def test_builder_picks_the_truncation_plan(params, plan):
+    sm, _, _ = build_sampling_metadata([(p, 0, [], []) for p in params], 4, BIG_V, [])
+    assert (sm.top_k_bound, sm.top_p_search) == plan
 
 
 def test_builder_rejects_bad_input():
