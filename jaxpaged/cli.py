@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     e.add_argument("--swap-space", default="0", help="host memory for swapped KV blocks, e.g. 1GiB")
     e.add_argument("--attention-backend", choices=["auto", "pallas", "xla", "reference"], default="auto")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model and KV cache over this many devices")
     e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -114,7 +116,8 @@ def run(argv: list[str] | None = None) -> int:
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
               swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
-              attention_backend=args.attention_backend, seed=args.engine_seed)
+              attention_backend=args.attention_backend, seed=args.engine_seed,
+              tensor_parallel_size=args.tensor_parallel_size)
     prompts = []
     for text, _ in items:
         if args.chat:

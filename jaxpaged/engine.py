@@ -27,7 +27,7 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.kv_cache import kv_pool_bytes
-from jaxpaged.loader import LoadedModel, load_model
+from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
@@ -83,9 +83,9 @@ class LLM:
       dtype: parameter, activation and KV dtype; default float32 on CPU, bfloat16 elsewhere.
       block_size: tokens per KV block (a power of two).
       num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
-      kv_cache_memory: KV pool size in bytes or a string like ``"2GiB"``. Default: on CPU
-        1 GiB (capped at what ``max_num_seqs`` full-length sequences need); on GPU half
-        of the device memory left free after loading the weights.
+      kv_cache_memory: KV pool size per device in bytes or a string like ``"2GiB"``. Default:
+        on CPU 1 GiB (capped at what ``max_num_seqs`` full-length sequences need); on GPU
+        half of the device memory left free after loading the weights.
       max_num_seqs: most sequences in one step.
       max_model_len: most tokens (prompt + output) per sequence; default the model's.
       max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
@@ -97,6 +97,9 @@ class LLM:
       debug_checks: check the block manager's invariants after every step.
       kv_allocator: ``"paged"``, or ``"contiguous"``: the pre-vLLM baseline where each
         request reserves ``max_model_len`` slots (for benchmarks).
+      tensor_parallel_size: shard the model and the KV pool over this many devices (a
+        ``"tp"`` mesh; the KV heads must divide evenly). See :mod:`jaxpaged.sharding`,
+        also for several hosts. A loaded model is resharded to this size.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class LLM:
         seed: int = 0,
         debug_checks: bool = False,
         kv_allocator: str = "paged",
+        tensor_parallel_size: int = 1,
     ):
         _check_int("block_size", block_size, 1)
         if block_size & (block_size - 1) or block_size > 256:
@@ -138,9 +142,12 @@ class LLM:
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose from {BACKENDS}")
 
         lm = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, attention_backend=attention_backend)
+            model, dtype=dtype, attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size)
         if isinstance(model, LoadedModel) and attention_backend != lm.model.attention_backend:
             lm = dataclasses.replace(lm, model=lm.model.with_backend(attention_backend))
+        if isinstance(model, LoadedModel):
+            lm = dataclasses.replace(lm, model=shard_model(lm.model, tensor_parallel_size))
+        self.tensor_parallel_size = tensor_parallel_size
         self.loaded = lm
         self.config = cfg = lm.config
         self.tokenizer = lm.tokenizer
@@ -151,10 +158,11 @@ class LLM:
         self.max_num_batched_tokens = max_num_batched_tokens or 512
         kv_dtype = lm.model.dtype
         block_bytes = kv_pool_bytes(cfg.num_layers, 1, cfg.num_kv_heads, block_size, cfg.head_dim, kv_dtype)
+        device_block_bytes = block_bytes // tensor_parallel_size  # each device holds its heads of every block
         if num_blocks is None:
             if kv_bytes is None:
-                kv_bytes = _default_kv_bytes(block_bytes, block_size, max_num_seqs, self.max_model_len)
-            num_blocks = kv_bytes // block_bytes
+                kv_bytes = _default_kv_bytes(device_block_bytes, block_size, max_num_seqs, self.max_model_len)
+            num_blocks = kv_bytes // device_block_bytes
         if num_blocks < 2:
             raise ValueError(f"a KV pool of {num_blocks} blocks is too small: one is the null block, "
                              f"and a request needs at least one more ({block_bytes} bytes per block)")
@@ -214,6 +222,11 @@ class LLM:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
                     request_id: str | None = None) -> str:
         """Queue a request; returns its id. Raises before any work if it is invalid."""
+        return self._enqueue(self._make_request(prompt, params, request_id))
+
+    def _make_request(self, prompt: PromptType, params: SamplingParams | None,
+                      request_id: str | None = None) -> Request:
+        """A validated request, not queued yet."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -221,20 +234,24 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(the prompt plus at least one generated token must fit)")
+        self.bm.check_fits(len(ids))  # a prompt that could never fit the pool is an error, not a wait
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._requests:
+        if request_id is not None and str(request_id) in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 1 << 63))
         req = Request(request_id, text, ids, params, time.monotonic(), seed)
-        self.scheduler.add(req)  # raises if it could never fit the pool
         req.seqs[0].detok = self._detokenizer(params)
-        if params.use_beam_search:
-            self._beams[request_id] = BeamState(params.beam_width, params.length_penalty)
-        self._requests[request_id] = req
-        return request_id
+        return req
+
+    def _enqueue(self, req: Request) -> str:
+        self.scheduler.add(req)
+        if req.params.use_beam_search:
+            self._beams[req.request_id] = BeamState(req.params.beam_width, req.params.length_penalty)
+        self._requests[req.request_id] = req
+        return req.request_id
 
     def _detokenizer(self, params: SamplingParams) -> Detokenizer | None:
         if self.tokenizer is None:
@@ -487,12 +504,8 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         # Validate everything before any work: a bad prompt raises and nothing is queued.
-        for p, sp in zip(prompts, params):
-            _, ids = self._to_token_ids(p)
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-            self.bm.check_fits(len(ids))
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self._enqueue(r) for r in reqs]
         return self._run(ids, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:

@@ -65,9 +65,10 @@ class KVPool(NamedTuple):
 
 
 def init_kv_pool(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                 head_dim: int, dtype=jnp.float32) -> KVPool:
+                 head_dim: int, dtype=jnp.float32, device=None) -> KVPool:
+    """A zeroed pool; ``device`` may be a ``Sharding`` (each device then allocates only its shard)."""
     shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-    return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return KVPool(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
 
 
 def kv_pool_bytes(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,

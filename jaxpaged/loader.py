@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from jaxpaged import sharding
 from jaxpaged.config import LlamaConfig
 from jaxpaged.model import Llama
 
@@ -150,14 +152,40 @@ def _hf_shape(layer_shape: tuple[int, ...], p: str) -> tuple[int, ...]:
     return layer_shape[::-1]
 
 
-def build_model(cfg: LlamaConfig, params: dict, *, dtype=jnp.float32, attention_backend: str = "auto") -> Llama:
-    """Instantiate :class:`Llama` without random init and fill it with ``params``."""
+def build_model(cfg: LlamaConfig, params: dict, *, dtype=jnp.float32, attention_backend: str = "auto",
+                mesh: Mesh | None = None) -> Llama:
+    """Instantiate :class:`Llama` without random init and fill it with ``params``.
+
+    With a ``mesh`` (:func:`jaxpaged.sharding.make_mesh`), every param goes straight from
+    the host into its shards (:func:`jaxpaged.sharding.shard_params`).
+    """
     abstract = nnx.eval_shape(
-        lambda: Llama(cfg, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
+        lambda: Llama(cfg, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    if mesh is None:
+        params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    else:
+        params = sharding.shard_params(params, cfg, mesh, dtype)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def shard_model(model: Llama, tensor_parallel_size: int) -> Llama:
+    """The same model over a ``tensor_parallel_size`` mesh (params moved device to device),
+    or ``model`` itself when it is already laid out that way."""
+    mesh = sharding.make_mesh(tensor_parallel_size, model.cfg)
+    if mesh == model.mesh:
+        return model
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    if mesh is None:
+        params = jax.device_put(params, jax.devices()[0])
+    else:
+        params = sharding.shard_params(params, model.cfg, mesh, model.dtype)
+    nnx.replace_by_pure_dict(state, params)
+    out = nnx.merge(graphdef, state)
+    out.mesh = mesh
+    return out
 
 
 # ---------------------------------------------------------------------------- sources
@@ -286,6 +314,7 @@ def load_model(
     attention_backend: str = "auto",
     use_cache: bool = True,
     cache_dir: str | Path | None = None,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load a Llama-architecture model and its tokenizer.
 
@@ -296,8 +325,12 @@ def load_model(
       attention_backend: see :func:`jaxpaged.attention.paged_attention`.
       use_cache: use the Orbax cache of converted GGUF params.
       cache_dir: where that cache lives (default ``$JAXPAGED_CACHE_DIR`` or ``~/.cache/jaxpaged``).
+      tensor_parallel_size: shard the weights over this many devices (:mod:`jaxpaged.sharding`);
+        each device receives only its own slices.
     """
     from jaxpaged.default_model import default_model_path
+
+    sharding.check_tp_size(tensor_parallel_size)  # before reading any weights
 
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
@@ -315,5 +348,6 @@ def load_model(
         cfg = LlamaConfig.from_hf(config)
     else:
         raise ValueError(f"{path}: not a model folder or a .gguf file")
-    return LoadedModel(build_model(cfg, params, dtype=dtype, attention_backend=attention_backend),
+    mesh = sharding.make_mesh(tensor_parallel_size, cfg)
+    return LoadedModel(build_model(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh),
                        tokenizer, cfg, path)

@@ -8,6 +8,10 @@ pool is part of the scan carry, so each layer updates it in place.
 Tokens of all sequences of a step are flattened along one axis ``T`` (no batch axis).
 Letters in einsum strings: T tokens, D model dim, N query heads, K KV heads, H head dim,
 F MLP dim, V vocabulary.
+
+Under tensor parallelism (``mesh`` set, see :mod:`jaxpaged.sharding`) the same code runs
+on sharded params: GSPMD partitions the projections, and the embedding lookup, the KV
+write + paged attention, and the LM head go through the ``shard_map`` helpers there.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
+from jaxpaged import sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention
 from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
@@ -79,9 +85,10 @@ class DecoderLayer(nnx.Module):
 
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, attention_backend: str = "reference",
-                 rngs: nnx.Rngs):
+                 mesh: Mesh | None = None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.attention_backend = attention_backend
+        self.mesh = mesh  # the "tp" mesh the params are sharded over; None: one device, no TP
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 1)
 
         @nnx.split_rngs(splits=cfg.num_layers)
@@ -118,7 +125,11 @@ class Llama(nnx.Module):
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
         scale = 1.0 / math.sqrt(cfg.head_dim)
         backend = self.attention_backend
-        x = self.embed[...][tokens]  # [T, D]
+        mesh = self.mesh
+        if mesh is None:
+            x = self.embed[...][tokens]  # [T, D]
+        else:
+            x = sharding.embed_tokens(mesh, self.embed[...], tokens)
         layer_def, layer_state = nnx.split(self.layers)
 
         def layer_fn(carry, xs):
@@ -132,14 +143,19 @@ class Llama(nnx.Module):
                 v = jnp.einsum("TD,DKH->TKH", h, p.wv[...])
                 q = apply_rope(q, md.positions, inv_freq)
                 k = apply_rope(k, md.positions, inv_freq)
-                kv = write_kv(kv, layer, k, v, md.slot_mapping)
-                o = paged_attention(q, kv, layer, md, scale=scale, backend=backend)
+                if mesh is None:
+                    kv = write_kv(kv, layer, k, v, md.slot_mapping)
+                    o = paged_attention(q, kv, layer, md, scale=scale, backend=backend)
+                else:
+                    o, kv = sharding.paged_attention_per_shard(mesh, q, k, v, kv, layer, md, scale=scale,
+                                                               backend=backend)
+                # Row-parallel under TP: GSPMD all-reduces the partial sums over the head shards.
                 x = x + jnp.einsum("TNH,NHD->TD", o, p.wo[...])
             with jax.named_scope("mlp"):
                 h = rms_norm(x, p.post_attn_norm[...], eps)
                 g = jnp.einsum("TD,DF->TF", h, p.w_gate[...])
                 u = jnp.einsum("TD,DF->TF", h, p.w_up[...])
-                x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, p.w_down[...])
+                x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, p.w_down[...])  # row-parallel, as wo
             return (x, kv), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -147,7 +163,11 @@ class Llama(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = rms_norm(x, self.final_norm[...], eps)
-        if self.lm_head is None:
+        if mesh is not None:  # vocab shards -> whole rows on every device, for sampling
+            tied = self.lm_head is None
+            logits = sharding.vocab_parallel_logits(mesh, x, self.embed[...] if tied else self.lm_head[...],
+                                                    tied=tied)
+        elif self.lm_head is None:
             logits = jnp.einsum("SD,VD->SV", x, self.embed[...])
         else:
             logits = jnp.einsum("SD,DV->SV", x, self.lm_head[...])

@@ -4,6 +4,10 @@ This is the only module where host state becomes device arrays. The step runs th
 model over the padded batch with the pool donated (so XLA updates it in place), applies
 copy-on-write block copies first, samples inside the same jit, and returns only the
 sampled tokens and the requested logprobs.
+
+Under tensor parallelism the params and the pool arrive sharded (:mod:`jaxpaged.sharding`)
+and ``_step`` compiles for those input shardings; its pool output leaves the model's
+``shard_map`` with the same sharding, so donation reuses the buffers and no step reshards.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpaged import sharding
 from jaxpaged.attention import AttentionMetadata
 from jaxpaged.batch import Batch, bucket
 from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks
@@ -55,7 +60,14 @@ class ModelRunner:
         cfg = model.cfg
         self.graphdef, self.params = nnx.split(model)
         self.dtype = dtype or model.dtype
-        self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype)
+        self.mesh = model.mesh
+        pool_device = None if self.mesh is None else sharding.pool_sharding(self.mesh)
+        self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
+                               device=pool_device)
+        if num_host_blocks and self.mesh is not None and not all(
+                d.process_index == jax.process_index() for d in self.mesh.devices.flat):
+            raise ValueError("preemption_mode='swap' is not supported when the mesh spans several processes "
+                             "(a host's swap space would hold only its own heads); use 'recompute'")
         host_shape = (cfg.num_layers, num_host_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         # Host (CPU memory) pool for swapped-out blocks, allocated lazily on first use.
         self._host_shape = host_shape
@@ -122,7 +134,7 @@ class ModelRunner:
             decode_only=batch.decode_only,
         )
         key = (*batch.shape_key, num_logprobs, num_prompt_logprobs, use_penalties,
-               tuple(np.shape(x) for x in jax.tree.leaves(sm)), sm.top_k_bound, sm.all_greedy)
+               tuple(np.shape(x) for x in jax.tree.leaves(sm)), jax.tree.structure(sm))
         self.compiled_shapes.add(key)
         out, prompt_lp, self.kv = _step(
             self.graphdef, self.params, self.kv, batch.tokens, md, batch.logits_indices, batch.copies, sm,

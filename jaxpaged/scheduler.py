@@ -134,11 +134,12 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 planned = self._plan(req, budget)
-                if self._reserve(req, planned, out):
-                    for seq, start, n in planned:
-                        out.scheduled.append(ScheduledSeq(seq, start, n))
-                        budget -= n
-                    num_seqs += len(planned)
+                if not self._reserve(req, planned, out):
+                    break  # it was preempted again: wait for memory instead of looping
+                for seq, start, n in planned:
+                    out.scheduled.append(ScheduledSeq(seq, start, n))
+                    budget -= n
+                num_seqs += len(planned)
 
         if not out.preempted and not self.swapped:
             while self.waiting and budget > 0:

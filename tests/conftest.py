@@ -28,6 +28,20 @@ def make_tiny_hf(folder, *, tie: bool, llama3: bool, seed: int = 0):
     return model
 
 
+def make_tiny_tp_hf(folder, *, tie: bool = False, seed: int = 0):
+    """A random Llama whose 8 query heads, 4 KV heads, MLP width and vocabulary split over
+    1, 2 or 4 devices; initialised wide (std 0.2) so greedy tokens are far from ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=16, rope_theta=10000.0,
+                      max_position_embeddings=256, tie_word_embeddings=tie, initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session", params=[(t, r) for t in (True, False) for r in (False, True)],
                 ids=["tied-default", "tied-llama3", "untied-default", "untied-llama3"])
 def tiny_hf(request, tmp_path_factory):

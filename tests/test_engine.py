@@ -287,3 +287,15 @@ def test_invalid_engine_options(tiny_engine_model, options, exc, match):
 def test_unknown_model_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing-model"):
         LLM(tmp_path / "missing-model")
+
+
+def test_swap_in_then_preempted_again_does_not_loop(tiny_engine_model):
+    """A tight pool where a swapped-in request is preempted again in the same step: the
+    scheduler waits for memory instead of swapping it in and out forever."""
+    llm = make(tiny_engine_model, block_size=4, num_blocks=14, max_num_batched_tokens=16,
+               preemption_mode="swap", swap_space="4MiB")
+    prompts = [list(range(100, 111)), list(range(200, 208)), list(range(300, 310)), list(range(400, 406))]
+    outs = llm.generate(prompts, GREEDY.replace(max_tokens=12), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 4
+    assert llm.stats()["num_preemptions"] > 0
+    assert_no_leak(llm)

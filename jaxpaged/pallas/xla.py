@@ -3,20 +3,41 @@
 Same algorithm as the Pallas kernels, batched the way XLA:CPU runs well: a
 ``lax.fori_loop`` over chunks of ``pages_per_chunk`` blocks; each step gathers that chunk
 of every row's blocks from the full stacked pool in one gather (layer folded into the
-row id), computes logits and the PV product, and updates an online softmax in float32.
-Nothing of size ``width * block_size`` per row is ever formed, and the loop stops at the
-longest context in the batch, not at the table width.
+row id) and multiplies it in float32. The loops stop at the longest context in the batch,
+not at the table width. Decode runs two passes (logits of every chunk, one exact softmax,
+then ``p @ v`` chunk by chunk, see ``_two_pass_decode``); ragged batches, whose logits
+would be too big to keep, an online softmax (``_blocked_attention``).
 
-What the profile of XLA:CPU (jax 0.10.2, 2-vCPU Zen 3) says, and what follows from it:
+What the profile of XLA:CPU (jax 0.10.2, YNNPACK dots, 2-vCPU box) says, and what follows:
 
-- The gathers dominate. XLA emits a gather as a per-element loop; gathering whole rows
-  of a 2-D view of the pool (``[L * NB * KVH, BS * D]``) runs ~2x faster than gathering
-  from the 5-D pool and lands directly in the ``[rows, KVH, keys, D]`` layout the
-  products want (no transpose).
-- Logits are produced as ``[rows, KVH, keys, heads]`` (``"bknd,bkmd->bknm"``): about 2x
-  faster than ``[.., heads, keys]``, which XLA:CPU runs as a slow transposed product.
-- Each loop step costs ~50-75 us of fixed overhead, but a chunk much past ~4096 keys
-  over the batch falls out of cache; ``_default_chunk`` aims between the two.
+- The gathers dominate: 65-80% of decode time. XLA emits a gather as a vectorised copy
+  loop, and random 4 KB tiles move at ~3.5-5 GB/s per thread, well below a streaming
+  copy. XLA:CPU never fuses a gather into a dot or a reduction (YNNPACK fusions take no
+  gather; its own fusion will not duplicate a gather into a consumer that reads elements
+  twice, as every product over query heads does), so each K/V byte is read, written to
+  the chunk buffer, and read again by the dot. Whole rows of a 2-D view of the pool
+  (``[L * NB * KVH, BS * D]``) land directly in the ``[rows, KVH, keys, D]`` layout the
+  dots want; 12 KB rows (all heads of a block), ``promise_in_bounds``, precomputed
+  indices or masking V elsewhere measure the same.
+- Dot shapes: ``p @ v`` (``[heads, keys] x [keys, D]``, output minor D) runs ~3x faster
+  per byte than ``k @ q`` (``[keys, D] x [D, heads]``, output minor heads = 3). K
+  transposed would fix the latter, but a transposing gather costs 2x a plain one.
+  Logits come out as ``[.., keys, heads]`` (``"bknd,bkmd->bknm"``, ~1.5x faster than
+  ``[.., heads, keys]``) and are transposed afterwards when the softmax wants the keys
+  minor. Padding the query heads to 4 or folding heads into bigger dots does not help.
+- Two-pass decode vs the online loop: each step is one gather and one dot, instead of
+  also a running max, two small reductions (~50-150 us each at decode shapes) and the
+  rescaling. 1.1-1.3x less time and CPU at the default model's
+  shapes (B x context 64 x 512, 32 x 1k, 8 x 2k, 256 x 128; 1 x 512 the same), and the
+  dots' share drops from ~40% to ~20%: what is left is the gathers.
+- Chunks: a step has ~20-50 us of fixed cost, but past ~8k keys per step (6 MB of K at
+  the default model's shape) the chunk leaves L2 and steps slow down (16k keys: 1.4x
+  slower end to end); ``_default_chunk`` aims at ~2k keys per step for decode, ~4k for
+  ragged (compute-bound).
+- No XLA flag helps (measured, set before jax starts): disabling YNNPACK
+  (``--xla_cpu_experimental_ynn_fusion_type=``) or the new fusion emitters is 1.3-1.5x
+  slower; ``--xla_cpu_enable_fast_math``, ``--xla_cpu_multi_thread_eigen=false`` and
+  ``--xla_cpu_prefer_vector_width=512`` are within noise.
 - A bf16 pool is converted to f32 inside the gather (XLA:CPU's bf16 matrix-vector
   products are ~20x slower than f32).
 """
@@ -33,6 +54,28 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.pallas import common
 
 
+def _chunk_reader(pool, bt, pages_per_chunk: int):
+    """``read(c) -> [B, KVH, C * BS, D]`` float32: chunk ``c`` of every row's blocks of ``pool``.
+
+    The pool is viewed as rows of one (layer, block, head) tile each, ``[L * NB * KVH,
+    BS * D]``: a gather of whole rows lands directly in the ``[B, KVH, keys, D]`` layout
+    the dots want, no transpose.
+    """
+    L, NB, KVH, BS, D = pool.shape
+    B = bt.shape[0]
+    C = pages_per_chunk
+    rows_view = pool.reshape(L * NB * KVH, BS * D)
+    heads = jnp.arange(KVH, dtype=jnp.int32)[None, :, None]
+
+    def read(c):
+        ids = lax.dynamic_slice_in_dim(bt, c * C, C, axis=1)  # [B, C]
+        # mode="clip": the ids are in range already; skipping the fill-mode check is ~5% faster.
+        x = rows_view.at[ids[:, None, :] * KVH + heads].get(mode="clip")
+        return x.astype(jnp.float32).reshape(B, KVH, C * BS, D)
+
+    return read
+
+
 def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float, pages_per_chunk: int):
     """Online-softmax attention of row blocks over their own paged keys.
 
@@ -41,58 +84,106 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
     k_pool, v_pool: the full [L, NB, KVH, BS, D] pool. Returns [B, KVH, M, D] float32.
     """
     B, KVH, M, D = qb.shape
-    L, NB, _, BS, _ = k_pool.shape
-    C = pages_per_chunk
-    N = C * BS
-    # The pool as rows of one (layer, block, head) tile each, [L * NB * KVH, BS * D]: a
-    # gather of whole rows lands directly in the [B, KVH, N, D] layout the dots want, and
-    # XLA:CPU's gather loop is ~2x faster with 2-D operands than with the 5-D pool.
-    k_rows = k_pool.reshape(L * NB * KVH, BS * D)
-    v_rows = v_pool.reshape(L * NB * KVH, BS * D)
-    heads = jnp.arange(KVH, dtype=jnp.int32)[None, :, None]
+    N = pages_per_chunk * k_pool.shape[3]
+    read_k = _chunk_reader(k_pool, bt, pages_per_chunk)
+    read_v = _chunk_reader(v_pool, bt, pages_per_chunk)
     q32 = qb.astype(jnp.float32) * scale
+    # Logits come out of the dot as [.., keys, rows]. With many rows (prefill blocks) they
+    # are transposed so that the softmax reduces over the minor axis and p @ v is a dot:
+    # ~1.1-1.3x faster end to end. With a few (M <= 8: decode-like) that is ~1.25x
+    # slower than reducing over the keys axis and one fused multiply-reduce for p @ v.
+    keys_axis = 2 if M <= 8 else 3
+    stat_shape = (B, KVH, 1, M) if M <= 8 else (B, KVH, M, 1)
 
     def body(c, carry):
-        o, m, l = carry  # o [B, KVH, M, D]; m, l [B, KVH, 1, M]
-        ids = lax.dynamic_slice_in_dim(bt, c * C, C, axis=1)  # [B, C]
-        rows = ids[:, None, :] * KVH + heads  # [B, KVH, C]
+        o, m, l = carry  # o [B, KVH, M, D]; m, l: stat_shape
         key_pos = c * N + jnp.arange(N, dtype=jnp.int32)
         in_ctx = key_pos[None, :] < kv_len[:, None]  # [B, N]
-        # mode="clip": the ids are in range already; skipping the fill-mode check is ~5% faster.
-        k = k_rows.at[rows].get(mode="clip").astype(jnp.float32).reshape(B, KVH, N, D)
-        v = v_rows.at[rows].get(mode="clip").astype(jnp.float32).reshape(B, KVH, N, D)
-        v = jnp.where(in_ctx[:, None, :, None], v, 0.0)  # stale slots may hold NaN
-        s = jnp.einsum("bknd,bkmd->bknm", k, q32)
+        v = jnp.where(in_ctx[:, None, :, None], read_v(c), 0.0)  # stale slots may hold NaN
+        s = jnp.einsum("bknd,bkmd->bknm", read_k(c), q32)  # [B, KVH, N, M]
         visible = key_pos[None, :, None] <= row_pos[:, None, :]  # [B, N, M]
+        if keys_axis == 3:
+            s, visible = s.transpose(0, 1, 3, 2), visible.transpose(0, 2, 1)
         s = jnp.where(visible[:, None], s, common.MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=2, keepdims=True))
+        m_new = jnp.maximum(m, s.max(axis=keys_axis, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new)
-        l = alpha * l + p.sum(axis=2, keepdims=True)
-        if M <= 8:  # decode: XLA:CPU runs this as one fused reduction, ~1.5x the dot's speed
-            pv = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=2)
+        l = alpha * l + p.sum(axis=keys_axis, keepdims=True)
+        if keys_axis == 2:
+            o = o * alpha[:, :, 0, :, None] + jnp.sum(p[..., None] * v[:, :, :, None, :], axis=2)
         else:
-            pv = jnp.einsum("bknm,bknd->bkmd", p, v)
-        o = o * alpha[:, :, 0, :, None] + pv
+            o = o * alpha + jnp.einsum("bkmn,bknd->bkmd", p, v)
         return o, m_new, l
 
     init = (jnp.zeros((B, KVH, M, D), jnp.float32),
-            jnp.full((B, KVH, 1, M), common.MASK_VALUE, jnp.float32),
-            jnp.zeros((B, KVH, 1, M), jnp.float32))
+            jnp.full(stat_shape, common.MASK_VALUE, jnp.float32),
+            jnp.zeros(stat_shape, jnp.float32))
     n_chunks = (jnp.max(kv_len) + N - 1) // N
     o, m, l = lax.fori_loop(0, n_chunks, body, init)
-    l = l[:, :, 0, :, None]
+    if keys_axis == 2:
+        l = l[:, :, 0, :, None]
     return o / jnp.where(l > 0, l, 1.0)
 
 
-def _default_chunk(num_rows: int, block_size: int) -> int:
-    """Blocks per loop step: about 4096 gathered keys per step over all rows.
+def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_chunk: int):
+    """Decode attention in two passes over the paged keys, with an exact softmax between.
 
-    Measured on the 2-vCPU box: each step costs ~50-75 us of fixed overhead, so steps
-    should be big, but past ~8k keys (6 MB of K per step at the default model's shape) the
-    gathered chunk falls out of cache and throughput halves. Capped at 256 keys per row.
+    qg: [B, KVH, G, D] queries; bt: [B, Wp] block ids (layer folded); kv_len: [B];
+    k_pool, v_pool: the full [L, NB, KVH, BS, D] pool. Returns [B, KVH, G, D] float32.
+
+    Pass 1 writes every chunk's logits into one ``[B, KVH, Wp * BS, G]`` buffer (4 bytes
+    per key and query head: ~2% of the KV it is computed from); one softmax over the whole
+    buffer; pass 2 accumulates ``p @ v`` chunk by chunk. Compared with the online
+    softmax, each loop step is a gather and a dot, nothing else: no running max, no
+    rescaling, no small reductions per step (see the module docstring).
     """
-    tokens = max(block_size, min(256, 4096 // max(num_rows, 1)))
+    B, KVH, G, D = qg.shape
+    BS = k_pool.shape[3]
+    N = pages_per_chunk * BS
+    NW = bt.shape[1] * BS
+    read_k = _chunk_reader(k_pool, bt, pages_per_chunk)
+    read_v = _chunk_reader(v_pool, bt, pages_per_chunk)
+    q32 = qg.astype(jnp.float32) * scale
+    n_chunks = (jnp.max(kv_len) + N - 1) // N
+
+    def logits(c, s):  # s [B, KVH, NW, G]; positions past n_chunks * N stay unwritten
+        s_c = jnp.einsum("bknd,bkgd->bkng", read_k(c), q32)
+        return lax.dynamic_update_slice_in_dim(s, s_c, c * N, axis=2)
+
+    s = lax.fori_loop(0, n_chunks, logits, jnp.zeros((B, KVH, NW, G), jnp.float32))
+    # Logits come out of the dot as [.., keys, heads] (the shape XLA:CPU multiplies
+    # fastest; transposing each chunk inside the loop is 10-20% slower end to end) and
+    # are transposed once so that the softmax reduces over the minor axis.
+    s = s.transpose(0, 1, 3, 2)  # [B, KVH, G, NW]
+    in_ctx = jnp.arange(NW, dtype=jnp.int32)[None, :] < kv_len[:, None]  # [B, NW]
+    s = jnp.where(in_ctx[:, None, None, :], s, common.MASK_VALUE)
+    p = jnp.exp(s - s.max(axis=3, keepdims=True))
+    l = p.sum(axis=3, keepdims=True)  # >= 1: the max term is exp(0)
+
+    def weighted_values(c, o):  # o [B, KVH, G, D]
+        in_chunk = lax.dynamic_slice_in_dim(in_ctx, c * N, N, axis=1)  # [B, N]
+        v = jnp.where(in_chunk[:, None, :, None], read_v(c), 0.0)  # stale slots may hold NaN
+        return o + jnp.einsum("bkgn,bknd->bkgd", lax.dynamic_slice_in_dim(p, c * N, N, axis=3), v)
+
+    o = lax.fori_loop(0, n_chunks, weighted_values, jnp.zeros((B, KVH, G, D), jnp.float32))
+    return o / l
+
+
+# Decode keeps every logit of the batch in one buffer (see _two_pass_decode) up to this size,
+# e.g. 256 sequences x 9 heads x 7k keys; past it, the online softmax of _blocked_attention.
+_MAX_LOGITS_BYTES = 64 << 20
+
+
+def _default_chunk(num_rows: int, block_size: int, keys: int = 4096) -> int:
+    """Blocks per loop step: about ``keys`` gathered keys per step over all rows.
+
+    Each step has a fixed cost, so steps should be big, but a chunk much past ~4-8k keys
+    (3-6 MB of K at the default model's shape) falls out of cache and throughput drops.
+    Ragged steps (many query rows per key, compute-bound) do best at ~4096 keys; the
+    two-pass decode, whose steps are a gather and one dot each, at ~2048 (1.5 MB of K).
+    Capped at 256 keys per row.
+    """
+    tokens = max(block_size, min(256, keys // max(num_rows, 1)))
     return max(1, tokens // block_size)
 
 
@@ -110,7 +201,7 @@ def xla_paged_decode_attention(
 ) -> Float[Array, "S Hq D"]:
     """Decode attention in XLA ops; same contract as :func:`paged_decode_attention`.
 
-    ``pages_per_chunk``: blocks gathered per loop step (default: ~4096 keys per step over
+    ``pages_per_chunk``: blocks gathered per loop step (default: ~2048 keys per step over
     the whole batch, see ``_default_chunk``).
     """
     common.check_paged_inputs(q, k_pool, v_pool, block_tables, context_lens, decode=True,
@@ -123,15 +214,18 @@ def xla_paged_decode_attention(
 def _xla_decode(q, k_pool, v_pool, layer, block_tables, context_lens, *, scale, pages_per_chunk, debug):
     S, Hq, D = q.shape
     L, NB, KVH, BS, _ = k_pool.shape
-    C = pages_per_chunk or _default_chunk(S, BS)
+    C = pages_per_chunk or _default_chunk(S, BS, keys=2048)
     if debug:
         common.debug_check_block_tables(block_tables, NB)
     width = -(-block_tables.shape[1] // C) * C
     bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, width)
     G = Hq // KVH
-    row_pos = jnp.broadcast_to((context_lens - 1)[:, None], (S, G))
-    o = _blocked_attention(common.group_queries(q, KVH, G), bt, row_pos, context_lens, k_pool, v_pool,
-                           scale=scale, pages_per_chunk=C)
+    qg = common.group_queries(q, KVH, G)
+    if S * Hq * width * BS * 4 <= _MAX_LOGITS_BYTES:
+        o = _two_pass_decode(qg, bt, context_lens, k_pool, v_pool, scale=scale, pages_per_chunk=C)
+    else:
+        row_pos = jnp.broadcast_to((context_lens - 1)[:, None], (S, G))
+        o = _blocked_attention(qg, bt, row_pos, context_lens, k_pool, v_pool, scale=scale, pages_per_chunk=C)
     return common.ungroup_queries(o, Hq).astype(q.dtype)
 
 

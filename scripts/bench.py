@@ -1,0 +1,457 @@
+"""Throughput and latency of jaxpaged on a synthetic workload, next to its peers and its roofline.
+
+    python scripts/bench.py                                  # decode-heavy: 64 x ~100-token prompts, 256 new tokens
+    python scripts/bench.py --workload sharegpt --num-requests 128 --mode both --rate 1.0
+    python scripts/bench.py --peers --peer-requests 16       # + transformers generate / generate_batch
+    python scripts/bench.py --quick --peers                  # ~5 minute smoke run of everything
+
+What it does, in one process:
+
+1. Ceilings, measured before and after the engine runs: memory bandwidth (256 MiB copy)
+   and float32 matmul FLOP/s (numpy and jax); the roofline uses the best figures seen.
+2. A seeded workload of token-id prompts (random ids from the vocabulary, the same ids for
+   every system), ``ignore_eos`` and a fixed ``max_tokens`` per request, greedy.
+   ``decode-heavy``: prompts of 90-110 tokens and 256 new tokens (the issue's target);
+   ``sharegpt``: lognormal prompt and output lengths with the vLLM paper's ShareGPT means
+   (161 / 338 tokens), clipped to ``--max-model-len``.
+3. Offline mode: every request submitted at once. A warm-up run with the same lengths and
+   other token ids compiles every step shape first; the timed run must compile nothing.
+   Online mode: Poisson arrivals at ``--rate`` requests/s on the wall clock (``add_request``
+   / ``step``); TTFT counts from each request's scheduled arrival, inter-token latency is
+   the gap between consecutive tokens of a request as the client sees them.
+4. Reported: generated and total tokens/s, requests/s, KV utilization at peak usage,
+   preemptions, compiled shapes and XLA compilations, per-phase host/device seconds, and
+   the roofline: per step, bytes = all weights + the K/V of every scheduled context (+ the
+   new tokens' K/V), FLOPs = 2 x body params per token + 2 x LM-head params per sampled
+   token + attention 4 x layers x heads x head_dim x context per token; the step's floor is
+   the larger of bytes / bandwidth and FLOPs / FLOP rate, the run's floor their sum.
+5. ``--peers``: the same GGUF in transformers (float32): ``generate`` with left padding
+   (static batches of ``--hf-batch-size``, each runs to its longest request; only requested
+   tokens count) and ``generate_batch`` (transformers' continuous batching, paged cache).
+   They are slow, so ``--peer-requests`` runs them on the first K requests; jaxpaged then
+   also runs those same K requests, and the ratios are taken on equal work.
+
+Writes ``bench_out/bench_<workload>.json`` and ``.png``. A script, not a test: on a shared
+machine the numbers are noisy; the table headers print the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (CompileCounter, ModelCost, RunResult, Workload, ceilings_table, machine_header,  # noqa: E402
+                          machine_info, make_workload, measure_ceilings, new_figure, run_online,
+                          save_figure, save_json, table, warm_then_run)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["decode-heavy", "sharegpt"], default="decode-heavy")
+    p.add_argument("--num-requests", type=int, default=None, help="default 64 (decode-heavy) or 128 (sharegpt)")
+    p.add_argument("--prompt-len", type=int, default=None, help="decode-heavy: mean prompt (100); sharegpt: mean")
+    p.add_argument("--output-len", type=int, default=None, help="decode-heavy: new tokens (256); sharegpt: mean")
+    p.add_argument("--max-model-len", type=int, default=2048, help="the window lengths are clipped to")
+    p.add_argument("--mode", choices=["offline", "online", "both"], default="offline")
+    p.add_argument("--rate", type=float, default=None,
+                   help="online arrivals per second (default: 0.7 x the offline req/s, or 0.5)")
+    p.add_argument("--peers", action="store_true", help="also run transformers generate and generate_batch")
+    p.add_argument("--peer-requests", type=int, default=None,
+                   help="run the peers on the first K requests (default: 16, or all if fewer)")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="static batch of padded generate (default: K)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB (default: the engine's)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="time the first run, compilations included")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="16 requests: 64 new tokens each (decode-heavy) or lognormal means 100 / 96 clipped to "
+                        "512 (sharegpt); peers on 4; both modes")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default=None, help="output name in bench_out/ (default bench_<workload>[_quick])")
+    a = p.parse_args(argv)
+    if a.quick:
+        if a.num_requests is None:
+            a.num_requests = 16
+        if a.workload == "decode-heavy" and a.output_len is None:
+            a.output_len = 64
+        if a.workload == "sharegpt":  # a scaled-down ShareGPT: the long tail makes the full one slow on 2 cores
+            a.max_model_len = min(a.max_model_len, 512)
+            a.prompt_len = a.prompt_len or 100
+            a.output_len = a.output_len or 96
+        if a.peer_requests is None:
+            a.peer_requests = 4
+        if a.mode == "offline":
+            a.mode = "both"
+    a.num_requests = a.num_requests or (64 if a.workload == "decode-heavy" else 128)
+    a.peer_requests = min(a.peer_requests or 16, a.num_requests)
+    a.out = a.out or f"bench_{a.workload}" + ("_quick" if a.quick else "")
+    return a
+
+
+# ---- peers ---------------------------------------------------------------------------
+
+
+def load_hf_model(gguf: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.eval()
+    return model, time.perf_counter() - t
+
+
+def run_hf_generate(model, w: Workload, batch_size: int, progress: bool) -> dict:
+    """Static batching with left padding: every batch decodes until its longest request is done."""
+    import torch
+    from tqdm.auto import tqdm
+
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for start in tqdm(range(0, len(w), batch_size), desc="transformers generate", disable=not progress,
+                          leave=False):
+            prompts = w.prompts[start:start + batch_size]
+            new = max(w.max_tokens[start:start + batch_size])
+            width = max(map(len, prompts))
+            ids = torch.zeros((len(prompts), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+            outputs += [row[width:].tolist() for row in out]
+    wall = time.perf_counter() - t0
+    gen = sum(w.max_tokens)  # the useful tokens; the padding work of a static batch counts for nothing
+    done = sum(len(o) >= m for o, m in zip(outputs, w.max_tokens))
+    return {"system": f"transformers generate (padded, batch {batch_size})", "wall_s": wall,
+            "num_generated": gen, "num_computed": sum(len(o) for o in outputs), "complete": done,
+            "outputs": [o[:m] for o, m in zip(outputs, w.max_tokens)]}
+
+
+def run_hf_generate_batch(model, w: Workload, progress: bool, max_batch_tokens: int) -> dict:
+    """transformers' continuous batching (paged cache); per-request lengths via its manager when they differ.
+
+    Its cache is sized explicitly (every request fits, pages of 256 tokens) and its token
+    budget per step is jaxpaged's: by default it sizes the cache on CPU to 90% of the
+    machine's RAM minus its own, which ignores every other process (OOM on a shared machine).
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max(w.max_tokens), eos_token_id=-1, do_sample=False, pad_token_id=0)
+    pages = sum(-(-(len(p) + m) // 256) for p, m in zip(w.prompts, w.max_tokens)) + len(w) + 4
+    cb = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=max_batch_tokens)
+    t0 = time.perf_counter()
+    # No torch.inference_mode here: the manager's thread updates tensors built under it and fails.
+    if len(set(w.max_tokens)) == 1:
+        res = model.generate_batch(inputs=w.prompts, generation_config=cfg, continuous_batching_config=cb,
+                                   progress_bar=progress)
+        outs = [r.generated_tokens for r in res.values()]
+        how = "generate_batch"
+    else:
+        outs_by_id = {}
+        with model.continuous_batching_context_manager(generation_config=cfg, continuous_batching_config=cb,
+                                                       block=True, timeout=5) as mgr:
+            ids = [mgr.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
+                   for i, (p, m) in enumerate(zip(w.prompts, w.max_tokens))]
+            while len(outs_by_id) < len(ids):
+                r = mgr.get_result(timeout=1)
+                if r is not None and r.is_finished():
+                    outs_by_id[r.request_id] = r.generated_tokens
+                elif r is None and not mgr.is_running():
+                    break
+        outs = [outs_by_id.get(i, []) for i in ids]
+        how = "continuous_batching_context_manager (per-request max_new_tokens)"
+    wall = time.perf_counter() - t0
+    if sum(len(o) for o in outs) < sum(w.max_tokens):
+        raise RuntimeError(f"generate_batch returned {sum(len(o) for o in outs)} of {sum(w.max_tokens)} tokens "
+                           f"(see its log above)")
+    return {"system": "transformers generate_batch (continuous batching)", "how": how, "wall_s": wall,
+            "num_generated": sum(len(o) for o in outs), "complete": sum(len(o) == m for o, m in zip(outs, w.max_tokens)),
+            "outputs": [list(o) for o in outs]}
+
+
+def agreement(a: list[list[int]], b: list[list[int]], k: int = 16) -> float:
+    """Fraction of requests whose first ``k`` greedy tokens agree (float32 vs float32)."""
+    pairs = [(x[:k], y[:k]) for x, y in zip(a, b) if len(x) >= k and len(y) >= k]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
+
+
+# ---- reports ---------------------------------------------------------------------------
+
+
+def engine_table(results: list[RunResult], title: str) -> None:
+    rows = []
+    for r in results:
+        s, e = r.summary(), r.engine_stats
+        host = e["time_schedule_s"] + e["time_batch_s"] + e["time_postprocess_s"]
+        rows.append([r.label, s["num_requests"], s["num_generated"], s["wall_s"], s["gen_tok_s"], s["total_tok_s"],
+                     s["req_s"], s["num_steps"], s["utilization_at_peak"], s["peak_used_blocks"], s["max_running"],
+                     e["num_preemptions"], f"{s['new_shapes']} / {s['compiles']} ({s['compile_s']:.0f} s)",
+                     e["time_schedule_s"], e["time_batch_s"], e["time_device_s"], e["time_postprocess_s"],
+                     f"{100 * host / max(s['wall_s'], 1e-9):.1f}%"])
+    table(title, ["run", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "req/s", "steps",
+                  "KV util @peak", "peak blocks", "max running", "preempt", "new shapes / XLA compiles",
+                  "sched s", "batch s", "device s", "post s", "host %"], rows,
+          ["KV util @peak: tokens stored / slots allocated at the step that used the most blocks",
+           "new shapes / XLA compiles: step shapes first seen / backend compilations during the run "
+           "(the timed run must show 0 / 0)",
+           "sched/batch/device/post: the engine's per-phase timers; host % = (sched + batch + post) / wall"])
+
+
+def roofline_table(results: list[RunResult], cost: ModelCost, ceil: dict) -> list[dict]:
+    bw, fl = ceil["bandwidth"], ceil["flops"]
+    rows, out = [], []
+    for r in results:
+        rf = r.roofline(cost, bw, fl)
+        dec = [s for s in r.steps if s.decode_only]
+        mix = [s for s in r.steps if not s.decode_only]
+        dec_floor = sum(cost.floor_s(s.chunks, bw, fl) for s in dec)
+        mix_floor = sum(cost.floor_s(s.chunks, bw, fl) for s in mix)
+        dec_t, mix_t = sum(s.seconds for s in dec), sum(s.seconds for s in mix)
+        rf |= {"decode_floor_s": dec_floor, "decode_s": dec_t, "mixed_floor_s": mix_floor, "mixed_s": mix_t,
+               "fraction_median_ceilings": r.roofline(cost, ceil["bandwidth_median"], ceil["flops_median"])[
+                   "fraction_of_roofline"]}
+        out.append(rf)
+        rows.append([r.label, rf["flops"] / 1e12, rf["bytes"] / 1e9, rf["roofline_s"], r.wall_s,
+                     rf["roofline_gen_tok_s"], r.gen_tok_s, rf["fraction_of_roofline"],
+                     rf["fraction_median_ceilings"], rf["achieved_gflop_s"], rf["achieved_gb_s"],
+                     f"{dec_floor / dec_t:.2f}" if dec_t else "-", f"{mix_floor / mix_t:.2f}" if mix_t else "-"])
+    table("Roofline (same run)", ["run", "TFLOP", "GB moved", "floor s", "wall s", "floor gen tok/s", "gen tok/s",
+                                  "fraction of roofline", "fraction (median ceilings)", "GFLOP/s", "GB/s",
+                                  "decode steps: floor/time", "prefill+mixed steps: floor/time"], rows,
+          [f"ceilings: {bw / 1e9:.1f} GB/s, {fl / 1e9:.0f} GFLOP/s (best seen); median "
+           f"{ceil['bandwidth_median'] / 1e9:.1f} GB/s, {ceil['flops_median'] / 1e9:.0f} GFLOP/s",
+           f"model: {cost.num_params / 1e6:.1f}M params ({cost.weight_bytes / 1e6:.0f} MB read per step), "
+           f"{cost.body_params / 1e6:.1f}M outside the LM head; {2 * cost.body_params / 1e6:.0f} MFLOP per "
+           f"prompt token, {2 * cost.num_params / 1e6:.0f} MFLOP per sampled token, + "
+           f"{cost.attn_flops_per_ctx} FLOP x context; KV {cost.kv_bytes_per_token / 1e3:.1f} KB per token",
+           "fraction of roofline = floor s / wall s (1.0 = at the roofline); the target is >= 0.7"])
+    return out
+
+
+def latency_table(r: RunResult, rate: float) -> dict:
+    lat = r.latency()
+    table(f"Online: Poisson arrivals at {rate:.2f} req/s",
+          ["run", "reqs", "gen tok/s", "req/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms",
+           "e2e p50 s", "e2e p99 s", "preempt", "XLA compiles in run"],
+          [[r.label, r.num_requests, r.gen_tok_s, r.req_s, lat["ttft_p50_s"], lat["ttft_p99_s"],
+            1e3 * lat["itl_p50_s"], 1e3 * lat["itl_p99_s"], lat["e2e_p50_s"], lat["e2e_p99_s"],
+            r.engine_stats["num_preemptions"], f"{r.compiles} ({r.compile_s:.0f} s)"]],
+          ["TTFT from the scheduled arrival to the step that returned the first token; ITL between consecutive "
+           "tokens of one request", "compilations during the online run (batch shapes the offline warm-up did not "
+           "see) inflate p99s"])
+    return lat
+
+
+def plot(name: str, args, results: dict[str, RunResult], cost: ModelCost, ceil: dict, peers: list[dict],
+         subset: RunResult | None, online: RunResult | None):
+    fig, ax = new_figure(2, 2, f"jaxpaged bench: {args.workload}, {args.num_requests} requests")
+    main = results.get("offline")
+    # (a) throughput
+    labels, vals = [], []
+    if main:
+        labels += ["jaxpaged", "roofline"]
+        vals += [main.gen_tok_s, main.roofline(cost, ceil["bandwidth"], ceil["flops"])["roofline_gen_tok_s"]]
+    if subset:
+        labels.append(f"jaxpaged ({subset.num_requests} req)")
+        vals.append(subset.gen_tok_s)
+    for p in peers:
+        labels.append(p["system"].replace("transformers ", "hf ").split(" (")[0] + f" ({p['num_requests']} req)")
+        vals.append(p["gen_tok_s"])
+    a = ax[0][0]
+    a.barh(labels, vals, color=["C0", "C7"] + ["C0"] * (1 if subset else 0) + ["C1", "C2"][:len(peers)])
+    a.set_xlabel("generated tokens / s")
+    a.set_title("throughput")
+    # (b) step times against their floors
+    a = ax[0][1]
+    if main:
+        t = np.array([s.seconds for s in main.steps])
+        floor = np.array([cost.floor_s(s.chunks, ceil["bandwidth"], ceil["flops"]) for s in main.steps])
+        a.plot(1e3 * t, label="measured", lw=1)
+        a.plot(1e3 * floor, label="roofline floor", lw=1)
+        a.set_xlabel("step")
+        a.set_ylabel("ms")
+        a.set_yscale("log")
+        a.legend()
+        a.set_title("step time (offline)")
+    # (c) KV usage over time
+    a = ax[1][0]
+    r = main or online
+    if r:
+        t = np.array([s.t_start for s in r.steps]) - r.steps[0].t_start
+        a.plot(t, [s.used_blocks for s in r.steps], label="used blocks")
+        a.set_xlabel("s")
+        a.set_ylabel("blocks")
+        b = a.twinx()
+        b.plot(t, [s.tokens_stored / s.slots_allocated if s.slots_allocated else np.nan for s in r.steps],
+               color="C3", lw=0.8, label="utilization")
+        b.set_ylim(0, 1.05)
+        b.set_ylabel("stored / allocated")
+        a.set_title(f"KV usage ({r.label})")
+    # (d) latency CDFs
+    a = ax[1][1]
+    if online:
+        ttft = sorted(ts[0] - online.arrivals[q] for q, ts in online.token_times.items() if ts)
+        itl = sorted(y - x for ts in online.token_times.values() for x, y in zip(ts, ts[1:]))
+        a.plot(ttft, np.linspace(0, 1, len(ttft)), label="TTFT")
+        a.plot(itl, np.linspace(0, 1, len(itl)), label="inter-token")
+        a.set_xscale("log")
+        a.set_xlabel("s")
+        a.set_ylabel("CDF")
+        a.legend()
+        a.set_title(f"online latency at {args.rate:.2f} req/s")
+    else:
+        a.axis("off")
+    save_figure(fig, f"{name}.png")
+
+
+# ---- main ------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    progress = not args.no_progress
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    print(f"# jaxpaged bench: {machine_header()}", flush=True)
+    CompileCounter.get()
+    import jaxpaged
+    from jaxpaged import LLM
+    from jaxpaged.default_model import default_model_path
+
+    ceil0 = measure_ceilings(quick=args.quick)
+    t = time.perf_counter()
+    lm = jaxpaged.load_model(attention_backend=args.attention_backend)
+    print(f"loaded {lm.source} in {time.perf_counter() - t:.1f} s", flush=True)
+    cost = ModelCost.from_loaded(lm)
+    vocab = lm.config.vocab_size
+    w = make_workload(args.workload, args.num_requests, vocab_size=vocab, max_model_len=args.max_model_len,
+                      seed=args.seed, prompt_len=args.prompt_len, output_len=args.output_len)
+    ws = w.summary()
+    print(f"workload {w.name}: {w.description}; {ws['num_requests']} requests, {ws['prompt_tokens']} prompt + "
+          f"{ws['output_tokens']} output tokens (prompt p50 {ws['prompt_len_p50']:.0f} max {ws['prompt_len_max']}, "
+          f"output p50 {ws['output_len_p50']:.0f} max {ws['output_len_max']})", flush=True)
+
+    def engine():
+        kw = {"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}
+        return LLM(lm, block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                   enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, **kw)
+
+    llm = engine()
+    print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {args.block_size}, max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}", flush=True)
+    report: dict = {"machine": machine_info(), "args": vars(args), "workload": ws, "model": vars(cost)}
+    results: dict[str, RunResult] = {}
+    warm = None
+    if args.mode in ("offline", "both"):
+        results["offline"], warm = warm_then_run(llm, w, vocab_size=vocab, label="jaxpaged offline",
+                                                 progress=progress, warmup=not args.no_warmup)
+    ceil1 = measure_ceilings(quick=args.quick)
+    ceil = {k: max(ceil0[k], ceil1[k]) for k in ceil0}
+    ceilings_table(ceil0, "Ceilings measured before the engine runs")
+    ceilings_table(ceil1, "Ceilings measured after the offline run")
+    report["ceilings"] = {"before": ceil0, "after": ceil1, "used": ceil}
+
+    online = online_warm = None
+    if args.mode in ("online", "both"):
+        rate = args.rate or (0.7 * results["offline"].req_s if "offline" in results else 0.5)
+        args.rate = rate
+        if "offline" not in results and not args.no_warmup:
+            warm_then_run(llm, w.with_fresh_ids(args.seed + 20_000, vocab), vocab_size=vocab,
+                          label="warm-up for online", progress=progress, warmup=False)
+        if not args.no_warmup:  # online batches take other shapes than offline ones: compile them first
+            online_warm = run_online(llm, w.with_fresh_ids(args.seed + 30_000, vocab), rate,
+                                     label="jaxpaged online (warm-up)", seed=args.seed + 1, progress=progress)
+        online = results["online"] = run_online(llm, w.with_fresh_ids(args.seed + 40_000, vocab), rate,
+                                                label="jaxpaged online", seed=args.seed, progress=progress)
+
+    shown = [r for r in (warm, results.get("offline"), online_warm, online) if r is not None]
+    engine_table(shown, f"jaxpaged: {w.name}, {len(w)} requests ({w.description})")
+    report["runs"] = {r.label: r.summary() for r in shown}
+    timed = [r for r in shown if r is not warm and r is not online_warm]
+    report["roofline"] = dict(zip([r.label for r in timed], roofline_table(timed, cost, ceil)))
+    if online:
+        report["latency"] = latency_table(online, args.rate)
+
+    peers, subset = [], None
+    if args.peers:
+        k = args.peer_requests
+        sub = w.subset(k)
+        main_run = results.get("offline")
+        if k < len(w) or main_run is None:
+            subset, _ = warm_then_run(llm, sub, vocab_size=vocab, label=f"jaxpaged offline, first {k}",
+                                      progress=progress, warmup=not args.no_warmup)
+        ref = subset or main_run
+        del llm
+        gc.collect()
+        model, load_s = load_hf_model(default_model_path())
+        print(f"transformers loaded the GGUF in {load_s:.1f} s", flush=True)
+        hf_bs = args.hf_batch_size or k
+        budget = args.max_num_batched_tokens or 512  # the engine's default token budget per step
+        jp_out = [ref.outputs.get(i, []) for i in range(k)]  # to check the systems do the same work
+        tiny = dataclasses.replace(sub.subset(2), max_tokens=[2, 2])
+        for fn in (lambda w_: run_hf_generate(model, w_, hf_bs, progress),
+                   lambda w_: run_hf_generate_batch(model, w_, progress, budget)):
+            try:
+                fn(tiny)  # warm-up: first-call costs out of the timing, as jaxpaged's compilation is
+                p = fn(sub)
+            except Exception as e:  # noqa: BLE001 (report and go on: a peer failing is a result)
+                import traceback
+
+                traceback.print_exc()
+                p = {"system": "peer failed", "error": repr(e), "wall_s": float("nan"), "num_generated": 0}
+            p["num_requests"] = k
+            p["gen_tok_s"] = p["num_generated"] / p["wall_s"] if p["wall_s"] else float("nan")
+            p["total_tok_s"] = (p["num_generated"] + sum(sub.prompt_lens)) / p["wall_s"] if p["wall_s"] else \
+                float("nan")
+            p["agreement_first16"] = agreement(jp_out, p.get("outputs", [])) if jp_out else float("nan")
+            peers.append(p)
+        rows = []
+        if main_run is not None:
+            rows.append([f"jaxpaged (all {len(w)} requests)", len(w), main_run.wall_s, main_run.gen_tok_s,
+                         main_run.total_tok_s, "-", "-", "-"])
+        rows.append([f"jaxpaged (first {k})", k, ref.wall_s, ref.gen_tok_s, ref.total_tok_s, 1.0, "-", "-"])
+        for p in peers:
+            rows.append([p["system"], k, p["wall_s"], p["gen_tok_s"], p["total_tok_s"],
+                         ref.gen_tok_s / p["gen_tok_s"] if p["gen_tok_s"] else float("nan"),
+                         main_run.gen_tok_s / p["gen_tok_s"] if main_run and p["gen_tok_s"] else float("nan"),
+                         p.get("agreement_first16", float("nan"))])
+        table(f"Peers: the same {k} requests, same GGUF in float32, greedy, fixed lengths",
+              ["system", "reqs", "wall s", "gen tok/s", "total tok/s", "jaxpaged x (same requests)",
+               f"jaxpaged all-{len(w)} x", "same first 16 tokens"], rows,
+              [f"peers ran the first {k} of {len(w)} requests; 'same requests' compares equal work and batch; the "
+               f"'all-{len(w)}' ratio compares jaxpaged at its full batch with the peer at {k} (not equal work)",
+               "padded generate counts only requested tokens (a static batch runs to its longest request)",
+               f"generate_batch: cache sized to fit every request, max_batch_tokens={budget} (jaxpaged's budget)",
+               "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's"])
+        for p in peers:
+            p.pop("outputs", None)
+        report["peers"] = peers
+        if subset:
+            report["runs"][subset.label] = subset.summary()
+
+    save_json(f"{args.out}.json", report)
+    plot(args.out, args, results, cost, ceil, peers, subset, online)
+    return report
+
+
+if __name__ == "__main__":
+    main()
