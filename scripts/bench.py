@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--peers", action="store_true", help="also run transformers generate and generate_batch")
     p.add_argument("--peer-requests", type=int, default=None,
                    help="run the peers on the first K requests (default: 16, or all if fewer)")
+    p.add_argument("--peer-systems", choices=["both", "generate", "generate_batch"], default="both",
+                   help="which transformers peers to run (padded generate is ~3x slower than generate_batch: "
+                        "run it on fewer requests in a second invocation)")
     p.add_argument("--hf-batch-size", type=int, default=None, help="static batch of padded generate (default: K)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB (default: the engine's)")
@@ -78,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="16 requests: 64 new tokens each (decode-heavy) or lognormal means 100 / 96 clipped to "
-                        "512 (sharegpt); peers on 4; both modes")
+                        "256 (sharegpt); peers on 4; both modes")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default=None, help="output name in bench_out/ (default bench_<workload>[_quick])")
     a = p.parse_args(argv)
@@ -88,7 +91,7 @@ def parse_args(argv=None):
         if a.workload == "decode-heavy" and a.output_len is None:
             a.output_len = 64
         if a.workload == "sharegpt":  # a scaled-down ShareGPT: the long tail makes the full one slow on 2 cores
-            a.max_model_len = min(a.max_model_len, 512)
+            a.max_model_len = min(a.max_model_len, 256)
             a.prompt_len = a.prompt_len or 100
             a.output_len = a.output_len or 96
         if a.peer_requests is None:
@@ -203,14 +206,20 @@ def engine_table(results: list[RunResult], title: str) -> None:
                      s["req_s"], s["num_steps"], s["utilization_at_peak"], s["peak_used_blocks"], s["max_running"],
                      e["num_preemptions"], f"{s['new_shapes']} / {s['compiles']} ({s['compile_s']:.0f} s)",
                      e["time_schedule_s"], e["time_batch_s"], e["time_device_s"], e["time_postprocess_s"],
-                     f"{100 * host / max(s['wall_s'], 1e-9):.1f}%"])
+                     f"{100 * host / max(s['wall_s'], 1e-9):.1f}%", 1e3 * s["decode_step_median_s"],
+                     "{:.0f} ms: {} seqs, {} tok, ctx {}".format(1e3 * s["slowest_steps"][0]["seconds"],
+                                                                 s["slowest_steps"][0]["seqs"],
+                                                                 s["slowest_steps"][0]["tokens"],
+                                                                 s["slowest_steps"][0]["max_context"])
+                     if s["slowest_steps"] else "-"])
     table(title, ["run", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "req/s", "steps",
                   "KV util @peak", "peak blocks", "max running", "preempt", "new shapes / XLA compiles",
-                  "sched s", "batch s", "device s", "post s", "host %"], rows,
+                  "sched s", "batch s", "device s", "post s", "host %", "decode step ms p50", "slowest step"], rows,
           ["KV util @peak: tokens stored / slots allocated at the step that used the most blocks",
            "new shapes / XLA compiles: step shapes first seen / backend compilations during the run "
            "(the timed run must show 0 / 0)",
-           "sched/batch/device/post: the engine's per-phase timers; host % = (sched + batch + post) / wall"])
+           "sched/batch/device/post: the engine's per-phase timers; host % = (sched + batch + post) / wall",
+           "slowest step: its time and shape (sequences, tokens, longest context); the JSON lists the 3 slowest"])
 
 
 def roofline_table(results: list[RunResult], cost: ModelCost, ceil: dict) -> list[dict]:
@@ -408,8 +417,11 @@ def main(argv=None) -> dict:
         budget = args.max_num_batched_tokens or 512  # the engine's default token budget per step
         jp_out = [ref.outputs.get(i, []) for i in range(k)]  # to check the systems do the same work
         tiny = dataclasses.replace(sub.subset(2), max_tokens=[2, 2])
-        for fn in (lambda w_: run_hf_generate(model, w_, hf_bs, progress),
-                   lambda w_: run_hf_generate_batch(model, w_, progress, budget)):
+        systems = {"generate": lambda w_: run_hf_generate(model, w_, hf_bs, progress),
+                   "generate_batch": lambda w_: run_hf_generate_batch(model, w_, progress, budget)}
+        for name, fn in systems.items():
+            if args.peer_systems not in ("both", name):
+                continue
             try:
                 fn(tiny)  # warm-up: first-call costs out of the timing, as jaxpaged's compilation is
                 p = fn(sub)

@@ -59,6 +59,11 @@ def machine_info() -> dict[str, Any]:
         info["jax"] = f"{jax.__version__} {jax.default_backend()}"
     except ImportError:
         pass
+    try:  # the engine is edited while benchmarks run: record exactly which tree was measured
+        info["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                     timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        info["git"] = "?"
     return info
 
 
@@ -66,7 +71,7 @@ def machine_header() -> str:
     """``CPU model, N cores | date | jax version backend, load`` for the top of every table."""
     m = machine_info()
     load = m.get("load_avg_1m")
-    text = f"{m['cpu']}, {m['cores']} cores | {m['date']} | jax {m.get('jax', '?')}"
+    text = f"{m['cpu']}, {m['cores']} cores | {m['date']} | jax {m.get('jax', '?')} | git {m.get('git', '?')}"
     if load is not None:
         text += f", load {load} on {m['cores']} cores"
         if load > 0.5 * m["cores"]:
@@ -490,6 +495,13 @@ class RunResult:
                 "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
                 "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99)}
 
+    def slowest_steps(self, k: int = 3) -> list[dict[str, Any]]:
+        """The ``k`` slowest steps and their shapes: where a cliff in step time shows up."""
+        worst = sorted(range(len(self.steps)), key=lambda i: -self.steps[i].seconds)[:k]
+        return [{"step": i, "seconds": self.steps[i].seconds, "seqs": len(self.steps[i].chunks),
+                 "tokens": self.steps[i].num_tokens, "decode_only": self.steps[i].decode_only,
+                 "max_context": max((a + n for a, n, _ in self.steps[i].chunks), default=0)} for i in worst]
+
     def phase_split(self) -> dict[str, float]:
         decode = [s for s in self.steps if s.decode_only]
         mixed = [s for s in self.steps if not s.decode_only]
@@ -514,6 +526,7 @@ class RunResult:
                 "gen_tok_s": self.gen_tok_s, "total_tok_s": self.total_tok_s, "req_s": self.req_s,
                 "num_steps": len(self.steps), "compiles": self.compiles, "compile_s": self.compile_s,
                 "new_shapes": self.new_shapes, "wrong_lengths": self.wrong_lengths,
+                "slowest_steps": self.slowest_steps(),
                 **self.kv_at_peak(), **self.phase_split(), "engine": self.engine_stats}
 
 

@@ -49,6 +49,16 @@ def test_write_kv_puts_each_token_in_its_slot_of_its_layer():
     np.testing.assert_array_equal(out.v, expect_v)
 
 
+def test_write_kv_of_one_token_touches_only_its_slot_and_the_null_block():
+    kv = random_pool(6, seed=4)
+    k = jnp.full((1, KVH, D), 7.0)
+    out = write_kv(kv, i32(2), k, k + 1, i32([3 * BS + 5]))
+    for got, old, val in ((out.k, kv.k, 7.0), (out.v, kv.v, 8.0)):
+        got, want = np.asarray(got), np.array(old)
+        want[2, 3, :, 5] = val
+        np.testing.assert_array_equal(got[:, 1:], want[:, 1:])  # every real block, every layer
+
+
 def test_write_kv_casts_to_the_pool_dtype():
     kv = init_kv_pool(L, 4, KVH, BS, D, dtype=jnp.bfloat16)
     out = write_kv(kv, i32(0), jnp.ones((1, KVH, D)), jnp.ones((1, KVH, D)), i32([BS + 1]))
@@ -172,6 +182,33 @@ def test_step_updates_the_donated_pool_in_place(backend, decode_only):
     lowered = make_step(backend, decode_only).trace(*args).lower()
     assert lowered.as_text().count("tf.aliasing_output") == 2  # k and v of the pool
     assert_in_place(lowered.compile(), args[0])
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("num_seqs,num_tokens,width,decode_only", [
+    (1, 1, 32, True), (1, 1, 32, False), (4, 64, 16, False)])
+def test_model_step_never_copies_the_pool(backend, num_seqs, num_tokens, width, decode_only):
+    """The whole Llama (layer scan, K/V writes, attention loops) compiled with the pool donated:
+    no copy of it anywhere. A one-token step used to get eight (see ``write_kv``)."""
+    from flax import nnx
+
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.model import Llama
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    graphdef, params = nnx.split(Llama(cfg, attention_backend=backend, rngs=nnx.Rngs(0)))
+    shape = (cfg.num_layers, 64, cfg.num_kv_heads, 16, cfg.head_dim)
+    kv = KVPool(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32))
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(positions=spec(num_tokens), slot_mapping=spec(num_tokens),
+                           block_tables=spec(num_seqs, width), context_lens=spec(num_seqs),
+                           query_start_loc=spec(num_seqs + 1), decode_only=decode_only)
+    step = jax.jit(lambda p, kv, tokens, md: nnx.merge(graphdef, p)(tokens, kv, md), donate_argnums=1)
+    hlo = step.lower(params, kv, spec(num_tokens), md).compile().as_text()
+    shape_text = re.escape(f"f32[{','.join(map(str, shape))}]")
+    assert not re.findall(rf"= {shape_text}\{{[^}}]*\}} copy\(", hlo), "the compiled step copies the pool"
+    assert "input_output_alias" in hlo
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
