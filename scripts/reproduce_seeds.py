@@ -268,7 +268,7 @@ def section_block_size(ctx: Ctx) -> dict:
 
     sizes = [4, 8, 16, 32, 64]
     timed_sizes = [8, 16, 32] if ctx.quick else sizes
-    contexts = [256] if ctx.quick else [512, 1536]
+    contexts = [192] if ctx.quick else [512, 1536]
     batch, new = (4, 8) if ctx.quick else (16, 32)
     w = ctx.sharegpt(300 if ctx.quick else 1000)
     budget = ctx.args.kv_budget
@@ -323,7 +323,7 @@ def section_block_size(ctx: Ctx) -> dict:
 
 
 def section_prefix(ctx: Ctx) -> dict:
-    n, new, sys_len = (8, 16, 500) if ctx.quick else (32, 64, 500)
+    n, new, sys_len = (8, 8, 500) if ctx.quick else (32, 64, 500)
     rng = np.random.default_rng(ctx.args.seed + 77)
     system = rng.integers(256, ctx.vocab, sys_len).tolist()
     # user turns: lognormal around 60 tokens
@@ -546,71 +546,84 @@ def _mem_available() -> int:
 def section_residency(ctx: Ctx) -> dict:
     pools = [1024, 4096, 16384]
     # 16k blocks of 16 tokens are 12 GB of float32 K/V; on a machine shared with others, halve
-    # the block size until the largest pool fits in the free memory (the block count is the point)
+    # the block size until the largest pool fits (the block count is the point)
     cap = ctx.args.residency_max_gib * GiB
     bs = 16
     while bs > 1 and (max(pools) * ctx.block_bytes(bs) > cap
                       or max(pools) * ctx.block_bytes(bs) * 1.2 + GiB > _mem_available()):
         bs //= 2
-    batch, prompt, new = (8, 128, 16) if ctx.quick else (32, 256, 48)
-    w = make_workload("fixed", batch, vocab_size=ctx.vocab, max_model_len=MAX_MODEL_LEN, seed=ctx.args.seed + 21,
-                      prompt_len=prompt, output_len=new)
+    batch = 8
     rounds = 2 if ctx.quick else 3
-    steps: dict[int, list[float]] = {nb: [] for nb in pools}
-    other: dict[int, dict] = {}
-    # Pools timed in turn, several rounds (A B C A B C ...), so drifting load on a shared
-    # machine spreads over all sizes; compilations stay cached across rounds (same shapes).
-    for rnd in range(rounds):
+    # Short contexts fit one chunk of the decode attention's loop; long ones take several
+    # (its loop runs over chunks of the block table), which is where a copy could hide.
+    regimes = {"short": (128, 8 if ctx.quick else 24), "long": (512 + 64, 4 if ctx.quick else 16)}
+    rows, res = [], {}
+    for regime, (prompt, new) in regimes.items():
+        w = make_workload("fixed", batch, vocab_size=ctx.vocab, max_model_len=MAX_MODEL_LEN,
+                          seed=ctx.args.seed + 21, prompt_len=prompt, output_len=new)
+        steps: dict[int, list[float]] = {nb: [] for nb in pools}
+        compiles = dict.fromkeys(pools, 0)
+        stopped: dict[int, str] = {}
+        # Pools timed in turn over several rounds (A B C A B C ...), so drifting load spreads
+        # over all sizes; compilations stay cached across rounds (same shapes).
+        for rnd in range(rounds):
+            for nb in pools:
+                if nb in stopped:
+                    continue
+                pool_bytes = nb * ctx.block_bytes(bs)
+                if pool_bytes * 1.2 + GiB > _mem_available():
+                    stopped[nb] = f"skipped: not enough free memory for {pool_bytes / GiB:.1f} GiB"
+                    continue
+                llm = ctx.engine(block_size=bs, num_blocks=nb, max_num_seqs=batch)
+                r, _ = warm_then_run(llm, w.with_fresh_ids(ctx.args.seed + 100 * rnd, ctx.vocab), vocab_size=ctx.vocab,
+                                     label=f"{regime} context, pool {nb} blocks, round {rnd + 1}",
+                                     progress=ctx.progress, warmup=rnd == 0)
+                _free(llm)
+                steps[nb] += [st.seconds for st in r.steps if st.decode_only]
+                compiles[nb] += r.compiles
+                base = np.median(steps[pools[0]])
+                if nb != pools[0] and np.median(steps[nb]) > 3 * base:
+                    # a step time that grows with the pool: larger pools would only take longer
+                    for bigger in pools[pools.index(nb) + 1:]:
+                        stopped[bigger] = (f"not run: {nb} blocks already {np.median(steps[nb]) / base:.1f}x "
+                                           f"slower than {pools[0]}")
+        res[regime] = {}
         for nb in pools:
             pool_bytes = nb * ctx.block_bytes(bs)
-            if pool_bytes * 1.2 + GiB > _mem_available():
-                other.setdefault(nb, {"skipped": f"not enough free memory for {pool_bytes / GiB:.1f} GiB"})
+            dec = steps[nb]
+            if not dec:
+                rows.append([regime, prompt, nb, pool_bytes / GiB, stopped.get(nb, "-"), "-", "-", "-", "-"])
                 continue
-            llm = ctx.engine(block_size=bs, num_blocks=nb, max_num_seqs=batch)
-            r, _ = warm_then_run(llm, w.with_fresh_ids(ctx.args.seed + 100 * rnd, ctx.vocab), vocab_size=ctx.vocab,
-                                 label=f"pool {nb} blocks, round {rnd + 1}", progress=ctx.progress,
-                                 warmup=rnd == 0)
-            steps[nb] += [s.seconds for s in r.steps if s.decode_only]
-            o = other.setdefault(nb, {"compiles": 0, "gen_tok_s": []})
-            o["compiles"] += r.compiles
-            o["gen_tok_s"].append(r.gen_tok_s)
-            _free(llm)
-    rows, res = [], {}
-    for nb in pools:
-        pool_bytes = nb * ctx.block_bytes(bs)
-        dec = steps[nb]
-        if not dec:
-            rows.append([nb, pool_bytes / GiB, other.get(nb, {}).get("skipped", "skipped"), "-", "-", "-", "-"])
-            continue
-        res[nb] = {"pool_gib": pool_bytes / GiB, "decode_step_median_s": float(np.median(dec)),
-                   "decode_step_min_s": float(min(dec)), "decode_steps": len(dec),
-                   "gen_tok_s": float(np.median(other[nb]["gen_tok_s"])), "compiles": other[nb]["compiles"]}
-        rows.append([nb, pool_bytes / GiB, 1e3 * np.median(dec), 1e3 * min(dec), 1e3 * percentile(dec, 90), len(dec),
-                     other[nb]["compiles"]])
-    base = res.get(pools[0])
-    notes = [f"{batch} requests of {prompt} + {new} tokens, block size {bs}; decode-only step times of {rounds} "
-             f"rounds over the pools in turn, after a warm-up" + ("" if bs == 16 else f" (block size lowered from 16 so the 16k-block pool fits "
-                                               f"--residency-max-gib={ctx.args.residency_max_gib} and the free "
-                                               f"memory)")]
-    if base and len(res) > 1:
-        worst = max(abs(v["decode_step_median_s"] / base["decode_step_median_s"] - 1) for v in res.values())
-        notes.append(f"largest change of the median step time vs {pools[0]} blocks: {100 * worst:.1f}% (target: "
-                     f"within 5%); a copy of the pool per step would add pool bytes / bandwidth, "
-                     f"~{max(res[x]['pool_gib'] for x in res) * GiB / 15e9 * 1e3:.0f} ms for the largest pool here")
+            res[regime][nb] = {"pool_gib": pool_bytes / GiB, "decode_step_median_s": float(np.median(dec)),
+                               "decode_step_min_s": float(min(dec)), "decode_steps": len(dec),
+                               "compiles": compiles[nb]}
+            base = res[regime][pools[0]]["decode_step_median_s"]
+            rows.append([regime, prompt, nb, pool_bytes / GiB, 1e3 * np.median(dec), 1e3 * min(dec),
+                         1e3 * percentile(dec, 90), f"{100 * (np.median(dec) / base - 1):+.1f}%", compiles[nb]])
+    notes = [f"{batch} requests, block size {bs}" + ("" if bs == 16 else f" (lowered from 16 so that 16k blocks fit "
+                                                                          f"--residency-max-gib="
+                                                                          f"{ctx.args.residency_max_gib} and the free "
+                                                                          f"memory)")
+             + f"; short: {regimes['short'][0]}-token prompts + {regimes['short'][1]} new tokens (one chunk of the "
+               f"decode loop), long: {regimes['long'][0]} + {regimes['long'][1]} (several chunks); decode-only step "
+               f"times of {rounds} rounds over the pools in turn, after a warm-up",
+             "target: within 5% from 1k to 16k blocks; a copy of the pool per layer would add "
+             "30 x pool bytes / bandwidth per step"]
     table(f"Pool residency: decode step time vs pool size (same batch, block size {bs})",
-          ["pool blocks", "pool GiB", "step ms p50", "step ms min", "step ms p90", "decode steps", "compiles in runs"],
-          rows, notes)
+          ["context", "prompt", "pool blocks", "pool GiB", "step ms p50", "step ms min", "step ms p90",
+           "vs smallest", "compiles in runs"], rows, notes)
     fig, ax = new_figure(1, 1, "Decode step time vs KV pool size")
-    xs = sorted(res)
-    ax[0][0].plot(xs, [1e3 * res[x]["decode_step_median_s"] for x in xs], "o-", label="median")
-    ax[0][0].plot(xs, [1e3 * res[x]["decode_step_min_s"] for x in xs], "o-", label="min")
+    for regime, by_pool in res.items():
+        xs = sorted(by_pool)
+        ax[0][0].plot(xs, [1e3 * by_pool[x]["decode_step_median_s"] for x in xs], "o-",
+                      label=f"{regime} context (median)")
     ax[0][0].set_xscale("log", base=2)
-    ax[0][0].set_ylim(bottom=0)
+    ax[0][0].set_yscale("log")
     ax[0][0].set_xlabel("pool blocks")
     ax[0][0].set_ylabel("decode step ms")
     ax[0][0].legend()
     save_figure(fig, "seeds_residency.png")
-    return {"block_size": bs, **{str(k): v for k, v in res.items()}}
+    return {"block_size": bs, **{regime: {str(k): v for k, v in by_pool.items()} for regime, by_pool in res.items()}}
 
 
 # ---- main ----------------------------------------------------------------------------------
