@@ -12,8 +12,8 @@ The pipeline follows vLLM v1's sampler, row by row with each row's own parameter
 3. ``truncate_logits``: divide by the temperature, then drop (-inf) tokens below
    ``min_p`` times the top probability, outside the ``top_k``, and outside the ``top_p``
    nucleus of what is left, in that order;
-4. draw: inverse-CDF sampling of ``softmax(logits)`` with one uniform number per row:
-   the first token whose cumulative probability exceeds ``u``.
+4. draw: Gumbel-max, ``argmax(logits + g)`` with ``g ~ Gumbel(0, 1)`` for each vocab
+   entry, is an exact sample of ``softmax(logits)``.
 
 Why it costs little:
 
@@ -28,17 +28,18 @@ Why it costs little:
   bisection on the logit cut-off that measures the probability mass above it: 32 masked
   sums over the row halve an interval of int32 order keys of float32 logits down to one
   float, so the kept set is exactly the one a sorted cumulative sum would give.
-- Tokens are kept by comparing the full-vocab logits with the threshold, in token-id
-  order, so a row's draw never depends on ``C``.
-- The draw needs one random number per row, not one per vocabulary entry (Gumbel-max
-  noise over 49152 entries costs ~40 ms of threefry at 64 rows on XLA:CPU; this draw ~3
-  ms). The cumulative sum is two-level, without a full-row ``cumsum`` (slow to compile and
-  to run on XLA:CPU): sums of blocks of ``DRAW_BLOCK`` tokens, their cumulative sum, then
-  a cumulative sum inside the one block ``u`` falls in.
-- The uniform of a row comes from ``fold_in(key(seed), output_pos)``: a request's tokens
-  depend only on its seed, positions and own logits, never on batch composition, row
-  order, padding or preemption. An all-greedy batch draws nothing at all (static
-  ``all_greedy``).
+- Tokens are kept by comparing the full-vocab logits with the threshold, and the Gumbel
+  noise is indexed by token id, so a row's draw never depends on ``C``.
+- The noise of a row comes from ``fold_in(key(seed), output_pos)``: a request's tokens
+  depend only on its seed and positions, never on batch composition, row order, padding
+  or preemption. An all-greedy batch draws no noise at all (static ``all_greedy``).
+- Why Gumbel noise over the whole vocabulary (~40 ms of threefry at 64 x 49152 on
+  XLA:CPU) and not one uniform per row with an inverse CDF (~3 ms, tried): a row's
+  logits differ by float rounding between batch compositions and schedules, and an
+  inverse CDF's token boundaries lie ~1/V apart on a flat distribution, so u crosses one
+  for a few draws in a hundred and seeded outputs change with the batch. Gumbel-max
+  flips only when the two largest noisy logits nearly tie, which rounding almost never
+  reaches (``tests/test_engine.py`` checks seeded tokens under every schedule).
 - Penalty counts are built by scatter-add only when the static ``use_penalties`` is set;
   the prompt is shipped only when some row has a repetition penalty. Unused id lists
   have width 0, so they cost nothing.
@@ -255,42 +256,11 @@ def truncate_logits(logits: Float[Array, "S V"], sm: SamplingMetadata) -> Float[
     return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
 
 
-def row_uniforms(sm: SamplingMetadata) -> Float[Array, "S"]:
-    """Each row's uniform number in [0, 1), from ``fold_in(key(seed), output_pos)`` only."""
+def gumbel_noise(sm: SamplingMetadata, vocab: int) -> Float[Array, "S V"]:
+    """Each row's Gumbel(0, 1) noise, from ``fold_in(key(seed), output_pos)`` only."""
     keys = jax.random.wrap_key_data(sm.rng_key, impl="threefry2x32")
     keys = jax.vmap(jax.random.fold_in)(keys, sm.output_pos)
-    return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-
-
-DRAW_BLOCK = 256  # tokens per block of the two-level cumulative sum
-
-
-def inverse_cdf_draw(logits: Float[Array, "S V"], u: Float[Array, "S"]) -> Int[Array, "S"]:
-    """The first token whose cumulative probability under ``softmax(logits)`` exceeds ``u``.
-
-    ``-inf`` logits have probability 0 and are never drawn: the token picked is the first
-    at which the running sum grows past the target, and a zero adds nothing (where float
-    rounding leaves the target past a block's end, the block's last possible token is
-    taken). Rows need at least one finite logit.
-    """
-    S, V = logits.shape
-    B = DRAW_BLOCK
-    nb = -(-V // B)
-    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # exp(-inf) = 0
-    e = jnp.pad(e, ((0, 0), (0, nb * B - V))).reshape(S, nb, B)
-    cum = jnp.cumsum(e.sum(axis=-1), axis=-1)  # [S, nb]
-    target = u * cum[:, -1]
-    block_ids = jnp.arange(nb, dtype=jnp.int32)
-    last_block = jnp.max(jnp.where(cum > jnp.concatenate([jnp.zeros((S, 1)), cum[:, :-1]], -1),
-                                   block_ids, 0), axis=-1)
-    j = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1, dtype=jnp.int32), last_block)
-    block = jnp.take_along_axis(e, j[:, None, None], axis=1)[:, 0]  # [S, B]
-    base = jnp.where(j > 0, jnp.take_along_axis(cum, jnp.maximum(j - 1, 0)[:, None], axis=1)[:, 0], 0.0)
-    running = base[:, None] + jnp.cumsum(block, axis=-1)
-    ids = jnp.arange(B, dtype=jnp.int32)
-    last = jnp.max(jnp.where(block > 0, ids, 0), axis=-1)
-    i = jnp.minimum(jnp.sum(running <= target[:, None], axis=-1, dtype=jnp.int32), last)
-    return j * B + i
+    return jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
 
 
 def compute_logprobs(
@@ -323,7 +293,8 @@ def sample(
     processed = process_logits(logits, sm, use_penalties=use_penalties)
     tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not sm.all_greedy:
-        drawn = inverse_cdf_draw(truncate_logits(processed, sm), row_uniforms(sm))
+        noisy = truncate_logits(processed, sm) + gumbel_noise(sm, logits.shape[1])
+        drawn = jnp.argmax(noisy, axis=-1).astype(jnp.int32)
         tokens = jnp.where(sm.temperature < SAMPLING_EPS, tokens, drawn)
     logprobs, ranks, top_ids, top_logprobs = compute_logprobs(
         logits, tokens, num_logprobs=num_logprobs)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.sampler import (
-    DRAW_BLOCK, SamplingRow, build_sampling_metadata, compute_logprobs, inverse_cdf_draw, process_logits,
-    sample, truncate_logits,
+    SamplingRow, build_sampling_metadata, compute_logprobs, process_logits, sample,
+    truncate_logits,
 )
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams as SP
 
@@ -350,40 +350,6 @@ def test_rng_key_is_jax_random_key_of_the_seed():
         np.testing.assert_array_equal(sm.rng_key[i], jax.random.key_data(jax.random.key(s)))
     np.testing.assert_array_equal(sm.rng_key[4], [1, 5])  # the high word is kept
     np.testing.assert_array_equal(sm.rng_key[5], [2**32 - 1, 2**32 - 1])  # -1 mod 2**64
-
-
-def test_inverse_cdf_draw_matches_float64_search_over_several_blocks():
-    """The two-level cumulative sum against np.searchsorted on a float64 CDF, for a grid of u
-    over rows spanning several blocks with a partial last one and truncated (-inf) tokens."""
-    vocab = 3 * DRAW_BLOCK + 37
-    logits = random_logits(21, 4, vocab, scale=2.0)
-    logits[1, ::3] = -np.inf
-    logits[2, :] = -np.inf
-    logits[2, [5, DRAW_BLOCK + 1, vocab - 1]] = [0.0, 1.0, 2.0]  # three tokens, last in the partial block
-    logits[3, vocab - DRAW_BLOCK:] = -np.inf  # the last two blocks have no mass at all
-    u = np.linspace(0, 1, 2001, endpoint=False, dtype=np.float32)
-    got = np.asarray(jax.jit(inverse_cdf_draw)(np.repeat(logits, len(u), 0), np.tile(u, 4))).reshape(4, -1)
-    for row, drawn in zip(logits, got):
-        p = softmax(row.astype(np.float64))
-        cdf = np.cumsum(p)
-        want = np.searchsorted(cdf, u, side="right")
-        near = np.min(np.abs(u[:, None] - cdf[None, p > 0]), axis=1) < 1e-5  # float32 rounding
-        assert np.all(p[drawn] > 0), "drew a token of probability 0"
-        np.testing.assert_array_equal(drawn[~near], want[~near])
-        assert len(set(drawn.tolist())) > min(3, (p > 1e-3).sum() - 1)  # u spreads over the tokens
-
-
-def test_inverse_cdf_draw_never_picks_a_zero_probability_token_at_the_ends():
-    logits = np.full((3, 2 * DRAW_BLOCK), -np.inf, np.float32)
-    logits[:, DRAW_BLOCK - 1] = 0.0  # one finite token, the last of its block
-    u = np.array([0.0, 0.5, np.nextafter(np.float32(1), np.float32(0))], np.float32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(inverse_cdf_draw)(logits, u)), [DRAW_BLOCK - 1] * 3)
-    # u just under 1 where float rounding can leave the target past the chosen block's
-    # running sum: the draw must still be a token of that block that has probability.
-    logits = random_logits(5, 512, 2 * DRAW_BLOCK, scale=1.0)
-    logits[:, DRAW_BLOCK + 100:] = -np.inf
-    drawn = np.asarray(jax.jit(inverse_cdf_draw)(logits, np.full(512, u[-1])))
-    assert np.all(np.isfinite(logits[np.arange(512), drawn]))
 
 
 # ------------------------------------------------------------------ logprobs
