@@ -184,9 +184,9 @@ def test_step_updates_the_donated_pool_in_place(backend, decode_only):
     assert_in_place(lowered.compile(), args[0])
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-@pytest.mark.parametrize("num_seqs,num_tokens,width,decode_only", [
-    (1, 1, 32, True), (1, 1, 32, False), (4, 64, 16, False)])
+@pytest.mark.parametrize("backend,num_seqs,num_tokens,width,decode_only", [
+    ("xla", 1, 1, 32, True), ("xla", 1, 1, 32, False), ("xla", 4, 64, 16, False), ("pallas", 1, 1, 32, True),
+    ("pallas", 1, 1, 32, False)])
 def test_model_step_never_copies_the_pool(backend, num_seqs, num_tokens, width, decode_only):
     """The whole Llama (layer scan, K/V writes, attention loops) compiled with the pool donated:
     no copy of it anywhere. A one-token step used to get eight (see ``write_kv``)."""
