@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.sampler import (
-    SamplingRow, build_sampling_metadata, compute_logprobs, process_logits, sample,
+    SamplingRow, build_sampling_metadata, compute_logprobs, gumbel_noise, process_logits, sample,
     truncate_logits,
 )
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams as SP
@@ -351,6 +351,20 @@ def test_rng_key_is_jax_random_key_of_the_seed():
     np.testing.assert_array_equal(sm.rng_key[4], [1, 5])  # the high word is kept
     np.testing.assert_array_equal(sm.rng_key[5], [2**32 - 1, 2**32 - 1])  # -1 mod 2**64
 
+
+
+def test_noise_is_jax_random_gumbel_of_the_row_key_bit_for_bit():
+    # The unrolled Threefry is checked against jax.random itself, on keys with both words
+    # set and on positions past 2**16, with a vocabulary that is not a power of two.
+    vocab = 3001
+    seeds, positions = (0, 7, 2**33 + 5, 2**64 - 1), (0, 1, 4097, 70000)
+    rows = [SamplingRow(SP(), s, [], [0] * pos) for s, pos in zip(seeds, positions)]
+    sm, _, _ = build_sampling_metadata(rows, 4, vocab, [EOS])
+    noise = np.asarray(jax.jit(gumbel_noise, static_argnums=1)(sm, vocab))
+    for i, pos in enumerate(positions):
+        key = jax.random.fold_in(jax.random.wrap_key_data(sm.rng_key[i], impl="threefry2x32"), pos)
+        np.testing.assert_array_equal(noise[i], jax.random.gumbel(key, (vocab,), np.float32))
+    assert np.all(np.isfinite(noise))
 
 # ------------------------------------------------------------------ logprobs
 
