@@ -24,10 +24,14 @@ Why it costs little:
   ``lax.top_k`` over the ``C = top_k_bound`` largest (the next power of two above the
   batch's largest ``top_k``), or, for ``C > 1024``, from a bisection on counts. When
   every ``top_p`` row also has a ``top_k``, its nucleus is found in those ``C`` sorted
-  logits too. Otherwise (static ``top_p_search``) each row's nucleus comes from a
-  bisection on the logit cut-off that measures the probability mass above it: 32 masked
-  sums over the row halve an interval of int32 order keys of float32 logits down to one
-  float, so the kept set is exactly the one a sorted cumulative sum would give.
+  logits too. Otherwise (static ``top_p_search``) each row looks for its nucleus in its
+  ``TOP_P_WINDOW`` = 256 largest logits, against the mass of the whole row; rows whose
+  nucleus fills that window (flat distributions) are gathered and bisected on the logit
+  cut-off that measures the probability mass above it: 32 masked sums over the row
+  halve an interval of int32 order keys of float32 logits down to one float, so the
+  kept set is exactly the one a sorted cumulative sum would give. On SmolLM2's
+  next-token distributions at temperature 0.7 and top_p 0.9, 0.75% of rows go past 256
+  tokens (16% at temperature 1.0).
 - Tokens are kept by comparing the full-vocab logits with the threshold, and the Gumbel
   noise is indexed by token id, so a row's draw never depends on ``C``.
 - The noise of a row comes from ``fold_in(key(seed), output_pos)``: a request's tokens
@@ -89,7 +93,8 @@ class SamplingMetadata:
     # else from a bisection on counts.
     top_k_bound: int = dataclasses.field(default=0, metadata=dict(static=True))
     # Some top_p row has no top_k window to find its nucleus in (no top_k, or C is past
-    # MAX_TOP_K_WINDOW): nuclei come from a bisection on mass over the whole row.
+    # MAX_TOP_K_WINDOW): nuclei come from the TOP_P_WINDOW largest logits, or from a
+    # bisection on mass over the whole row where they go past them (_searched_nuclei).
     top_p_search: bool = dataclasses.field(default=False, metadata=dict(static=True))
     all_greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))  # skip the draw
 
@@ -140,6 +145,9 @@ def process_logits(
 
 
 MAX_TOP_K_WINDOW = 1024  # past this, lax.top_k on XLA:CPU costs more than counting (V=49152)
+# Rows with top_p but no top-k window look for their nucleus among this many largest logits
+# first (lax.top_k(256) at 64 x 49152: ~13 ms, a 32-step bisection over the rows: ~58 ms).
+TOP_P_WINDOW = 256
 
 
 def _order_key(x: Float[Array, "*"]) -> Int[Array, "*"]:
@@ -195,6 +203,50 @@ def _nucleus_cut(
     target = top_p * jnp.sum(probs, axis=-1)
     return _smallest_logit_where(
         lambda t: jnp.sum(jnp.where(logits > t[:, None], probs, 0.0), axis=-1) < target, row_max)
+
+
+def _searched_nuclei(
+    logits: Float[Array, "S V"], row_max: Float[Array, "S"], threshold: Float[Array, "S"],
+    top_p: Float[Array, "S"],
+) -> Float[Array, "S"]:
+    """Smallest logit each row keeps under ``top_p`` (``threshold`` where top_p is off).
+
+    For plans where some top_p row has no top-k window. Each row first cuts its nucleus
+    in its ``TOP_P_WINDOW`` largest logits, of the mass of the whole row (an exact cut
+    when a window logit falls out of it); the rows whose nucleus fills the window are
+    gathered into the smallest of a few power-of-4 batch sizes that holds them all and
+    bisected over the vocabulary (``_nucleus_cut``). Whether a row is bisected depends
+    on its own logits only, so its cut never depends on the batch.
+    """
+    S, V = logits.shape
+    W = min(TOP_P_WINDOW, V)
+    probs = jnp.where(logits >= threshold[:, None], jnp.exp(logits - row_max[:, None]), 0.0)
+    target = top_p * jnp.sum(probs, axis=-1)
+    vals = lax.top_k(logits, W)[0]  # [S, W], descending
+    valid = vals >= threshold[:, None]
+    wprobs = jnp.where(valid, jnp.exp(vals - row_max[:, None]), 0.0)
+    keep = valid & (jnp.cumsum(wprobs, axis=-1) - wprobs < target[:, None])  # mass above < target
+    num_keep = keep.sum(axis=-1, dtype=jnp.int32)
+    cut = jnp.take_along_axis(vals, (jnp.maximum(num_keep, 1) - 1)[:, None], axis=-1)[:, 0]
+    past = (top_p < 1.0) & (num_keep == W)  # the nucleus may go on past the window
+    # Rows past the window first (a stable partition, by scatter: a sort would cost more).
+    num_past = past.sum(dtype=jnp.int32)
+    dest = jnp.where(past, jnp.cumsum(past) - 1, num_past + jnp.cumsum(~past) - 1)
+    order = jnp.zeros(S, jnp.int32).at[dest].set(jnp.arange(S, dtype=jnp.int32))
+    sizes = [4 ** i for i in range(8) if 4 ** i < S] + [S]
+
+    def bisect_first(n: int):
+        def branch(cut):
+            if n == S:  # every row: no gather
+                return jnp.where(past, _nucleus_cut(logits, probs, row_max, top_p), cut)
+            rows = order[:n]
+            found = _nucleus_cut(logits[rows], probs[rows], row_max[rows], top_p[rows])
+            return cut.at[rows].set(jnp.where(past[rows], found, cut[rows]))
+        return branch
+
+    which = jnp.where(num_past == 0, 0, 1 + jnp.sum(num_past > jnp.asarray(sizes[:-1], jnp.int32)))
+    cut = lax.switch(which, [lambda cut: cut] + [bisect_first(n) for n in sizes], cut)
+    return jnp.where(top_p < 1.0, jnp.maximum(threshold, cut), threshold)
 
 
 def _window_thresholds(
@@ -253,9 +305,7 @@ def truncate_logits(logits: Float[Array, "S V"], sm: SamplingMetadata) -> Float[
         kth = _kth_largest(logits, row_max, jnp.clip(sm.top_k, 1, logits.shape[1]))
         threshold = jnp.maximum(threshold, jnp.where(sm.top_k > 0, kth, -jnp.inf))
     if sm.top_p_search:
-        probs = jnp.where(logits >= threshold[:, None], jnp.exp(logits - row_max[:, None]), 0.0)
-        cut = _nucleus_cut(logits, probs, row_max, sm.top_p)
-        threshold = jnp.where(sm.top_p < 1.0, jnp.maximum(threshold, cut), threshold)
+        threshold = _searched_nuclei(logits, row_max, threshold, sm.top_p)
     return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
 
 

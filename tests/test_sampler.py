@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.sampler import (
-    SamplingRow, build_sampling_metadata, compute_logprobs, gumbel_noise, process_logits, sample,
+    TOP_P_WINDOW, SamplingRow, build_sampling_metadata, compute_logprobs, gumbel_noise, process_logits, sample,
     truncate_logits,
 )
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams as SP
@@ -255,6 +255,35 @@ def test_full_vocab_rows_match_reference_under_every_plan():
         for other in same_row[1:]:
             np.testing.assert_array_equal(other, same_row[0], err_msg=f"row {i}: {params[i]}")
 
+
+
+def test_nuclei_past_the_window_get_the_same_cut_in_any_batch():
+    # Rows whose nucleus fills the TOP_P_WINDOW largest logits are gathered into the
+    # smallest of a few batch sizes that holds them and bisected: 0, 1, 2 and 17 such
+    # rows take different branches, and a row's cut must not notice which.
+    rows = big_rows(17)
+    named = {  # name -> (logits, params); the first two go past the window, the last not
+        "flat": (rows["flat"], SP(top_p=mid_gap_top_p(rows["flat"], SP(), 0.5))),
+        "wide": (rows["wide"], SP(top_p=mid_gap_top_p(rows["wide"], SP(), 0.3))),
+        "peaked": (rows["peaked"], SP(temperature=0.7, top_p=mid_gap_top_p(rows["peaked"], SP(temperature=0.7),
+                                                                          0.999))),
+    }
+    batches = [["peaked"], ["flat"], ["peaked", "flat", "peaked", "peaked", "peaked"],
+               ["wide", "peaked", "flat", "peaked"], ["flat", "wide"] * 8 + ["peaked"] * 3 + ["flat"]]
+    cuts: dict[str, list[np.ndarray]] = {}
+    for names in batches:
+        logits = np.stack([named[n][0] for n in names]).astype(np.float32)
+        params = [named[n][1] for n in names]
+        got, sm = truncate_rows(logits, params)
+        assert sm.top_p_search
+        assert_matches_reference(logits, params, got)
+        for n, row in zip(names, got):
+            cuts.setdefault(n, []).append(row)
+    for n, same in cuts.items():
+        kept = int(np.sum(same[0] > -np.inf))
+        assert (kept > TOP_P_WINDOW) == (n != "peaked"), (n, kept)
+        for other in same[1:]:
+            np.testing.assert_array_equal(other, same[0], err_msg=n)
 
 # ------------------------------------------------------------------ sampling
 
