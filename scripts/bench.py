@@ -10,7 +10,8 @@ What it does, in one process:
 1. Ceilings, measured before and after the engine runs: memory bandwidth (256 MiB copy)
    and float32 matmul FLOP/s (numpy and jax); the roofline uses the best figures seen.
 2. A seeded workload of token-id prompts (random ids from the vocabulary, the same ids for
-   every system), ``ignore_eos`` and a fixed ``max_tokens`` per request, greedy.
+   every system), ``ignore_eos`` and a fixed ``max_tokens`` per request, greedy (or, for
+   jaxpaged alone, ``--temperature`` / ``--top-p`` with a seed per request).
    ``decode-heavy``: prompts of 90-110 tokens and 256 new tokens (the issue's target);
    ``sharegpt``: lognormal prompt and output lengths with the vLLM paper's ShareGPT means
    (161 / 338 tokens), clipped to ``--max-model-len``.
@@ -78,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="time the first run, compilations included")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample instead of greedy (jaxpaged only: the peers' check compares greedy tokens)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="16 requests: 64 new tokens each (decode-heavy) or lognormal means 100 / 96 clipped to "
@@ -85,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default=None, help="output name in bench_out/ (default bench_<workload>[_quick])")
     a = p.parse_args(argv)
+    if a.peers and a.temperature > 0:
+        p.error("--peers compares greedy outputs with transformers': leave --temperature at 0")
     if a.quick:
         if a.num_requests is None:
             a.num_requests = 16
@@ -342,7 +348,7 @@ def main(argv=None) -> dict:
     print(f"# jaxpaged bench: {machine_header()}", flush=True)
     CompileCounter.get()
     import jaxpaged
-    from jaxpaged import LLM
+    from jaxpaged import LLM, SamplingParams
     from jaxpaged.default_model import default_model_path
 
     ceil0 = measure_ceilings(quick=args.quick)
@@ -368,11 +374,17 @@ def main(argv=None) -> dict:
     print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {args.block_size}, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}", flush=True)
     report: dict = {"machine": machine_info(), "args": vars(args), "workload": ws, "model": vars(cost)}
+
+    def params_for(i: int) -> SamplingParams:  # seeded per request: a rerun draws the same tokens
+        return SamplingParams(max_tokens=w.max_tokens[i], ignore_eos=True, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed + i)
+
     results: dict[str, RunResult] = {}
     warm = None
     if args.mode in ("offline", "both"):
         results["offline"], warm = warm_then_run(llm, w, vocab_size=vocab, label="jaxpaged offline",
-                                                 progress=progress, warmup=not args.no_warmup)
+                                                 progress=progress, warmup=not args.no_warmup,
+                                                 params_for=params_for)
     ceil1 = measure_ceilings(quick=args.quick)
     ceil = {k: max(ceil0[k], ceil1[k]) for k in ceil0}
     ceilings_table(ceil0, "Ceilings measured before the engine runs")
@@ -385,12 +397,14 @@ def main(argv=None) -> dict:
         args.rate = rate
         if "offline" not in results and not args.no_warmup:
             warm_then_run(llm, w.with_fresh_ids(args.seed + 20_000, vocab), vocab_size=vocab,
-                          label="warm-up for online", progress=progress, warmup=False)
+                          label="warm-up for online", progress=progress, warmup=False, params_for=params_for)
         if not args.no_warmup:  # online batches take other shapes than offline ones: compile them first
             online_warm = run_online(llm, w.with_fresh_ids(args.seed + 30_000, vocab), rate,
-                                     label="jaxpaged online (warm-up)", seed=args.seed + 1, progress=progress)
+                                     label="jaxpaged online (warm-up)", seed=args.seed + 1, progress=progress,
+                                     params_for=params_for)
         online = results["online"] = run_online(llm, w.with_fresh_ids(args.seed + 40_000, vocab), rate,
-                                                label="jaxpaged online", seed=args.seed, progress=progress)
+                                                label="jaxpaged online", seed=args.seed, progress=progress,
+                                                params_for=params_for)
 
     shown = [r for r in (warm, results.get("offline"), online_warm, online) if r is not None]
     engine_table(shown, f"jaxpaged: {w.name}, {len(w)} requests ({w.description})")

@@ -716,17 +716,17 @@ def greedy_params(max_tokens: int, **kw):
 
 def run_offline(llm, workload: Workload, label: str = "jaxpaged", *, progress: bool = True,
                 params_for=None) -> RunResult:
-    """Submit every request at once, then step until all finish (greedy, ``ignore_eos``)."""
+    """Submit every request at once, then step until all finish (default: greedy, ``ignore_eos``)."""
     params_for = params_for or (lambda i: greedy_params(workload.max_tokens[i]))
     return _drive(llm, workload, params_for, label, arrivals=None, progress=progress)
 
 
 def run_online(llm, workload: Workload, rate: float, label: str = "jaxpaged online", *, seed: int = 0,
-               progress: bool = True) -> RunResult:
+               progress: bool = True, params_for=None) -> RunResult:
     """Requests arrive by a Poisson process at ``rate``/s on the wall clock; TTFT counts from arrival."""
     arrivals = poisson_arrivals(len(workload), rate, seed)
-    return _drive(llm, workload, lambda i: greedy_params(workload.max_tokens[i]), label, arrivals=arrivals,
-                  progress=progress)
+    params_for = params_for or (lambda i: greedy_params(workload.max_tokens[i]))
+    return _drive(llm, workload, params_for, label, arrivals=arrivals, progress=progress)
 
 
 def warm_then_run(llm, workload: Workload, *, vocab_size: int, label: str, progress: bool = True,
