@@ -230,4 +230,7 @@ def test_step_results_match_the_reference_backend(backend):
         kv_ref, o_ref = make_step("reference", decode_only)(*step_inputs(16, decode_only, seed=3))
         kv, o = make_step(backend, decode_only)(*args)
         np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5)
-        np.testing.assert_array_equal(kv.k, kv_ref.k)
+        # Every block but the null one, which padding tokens all write into: on GPU the
+        # scatter picks any of those duplicate writes, so its contents are unspecified.
+        for got, want in ((kv.k, kv_ref.k), (kv.v, kv_ref.v)):
+            np.testing.assert_array_equal(got[:, NULL_BLOCK + 1:], want[:, NULL_BLOCK + 1:])

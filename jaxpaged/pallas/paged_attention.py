@@ -63,7 +63,7 @@ def _decode_kernel(
         ids = bt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
         k = k_ref[ids, h].reshape(chunk, head_dim)
         v = v_ref[ids, h].reshape(chunk, head_dim)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=common.dot_precision(k.dtype),
                                  preferred_element_type=jnp.float32) * scale  # [block_h, chunk]
         key_pos = (first_page + c * pages_per_chunk) * block_size + lax.broadcasted_iota(
             jnp.int32, (1, chunk), 1)
@@ -76,6 +76,7 @@ def _decode_kernel(
         # Stale slots past the length may hold anything (even NaN); 0 * NaN would leak.
         v = jnp.where(valid.reshape(chunk, 1), v, jnp.zeros_like(v))
         pv = lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=common.dot_precision(v.dtype),
                              preferred_element_type=jnp.float32)
         return alpha[:, None] * o + pv, m_new, l
 

@@ -58,7 +58,7 @@ def _ragged_kernel(
         ids = bt_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
         k = k_ref[ids, h].reshape(chunk, head_dim)
         v = v_ref[ids, h].reshape(chunk, head_dim)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=common.dot_precision(k.dtype),
                                  preferred_element_type=jnp.float32) * scale  # [M, chunk]
         key_pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
         logits = jnp.where(key_pos <= row_pos, logits, common.MASK_VALUE)
@@ -68,6 +68,7 @@ def _ragged_kernel(
         l = alpha * l + probs.sum(axis=1)
         v = jnp.where((key_pos < kv_len).reshape(chunk, 1), v, jnp.zeros_like(v))
         pv = lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             precision=common.dot_precision(v.dtype),
                              preferred_element_type=jnp.float32)
         return alpha[:, None] * o + pv, m_new, l
 

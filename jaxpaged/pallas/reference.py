@@ -12,8 +12,12 @@ it is slow and memory-hungry by design; the kernels never do that.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+# The oracle computes in float32 on every platform (XLA's default on GPU is TF32 products).
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def ref_ragged_paged_attention(
@@ -48,7 +52,7 @@ def ref_ragged_paged_attention(
     k = k.transpose(0, 2, 1, 3, 4).reshape(T, KVH, W * BS, D).astype(jnp.float32)
     v = v.transpose(0, 2, 1, 3, 4).reshape(T, KVH, W * BS, D).astype(jnp.float32)
     qg = q.reshape(T, KVH, G, D).astype(jnp.float32)
-    s = jnp.einsum("tkgd,tknd->tkgn", qg, k) * scale
+    s = jnp.einsum("tkgd,tknd->tkgn", qg, k, precision=_HIGHEST) * scale
     j = jnp.arange(W * BS)  # key position in the sequence
     mask = (j[None, :] <= positions[:, None]) & (j[None, :] < context_lens[seq][:, None]) & valid_tok[:, None]
     s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
@@ -56,7 +60,8 @@ def ref_ragged_paged_attention(
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     # Masked keys get weight exactly 0; where() keeps NaN/inf in stale slots out of the sum.
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("tkgn,tknd->tkgd", p, jnp.where(mask[:, None, :, None], v, 0.0))
+    o = jnp.einsum("tkgn,tknd->tkgd", p, jnp.where(mask[:, None, :, None], v, 0.0),
+                   precision=_HIGHEST)
     o = o / jnp.where(l > 0, l, 1.0)
     return o.reshape(T, Hq, D).astype(q.dtype)
 

@@ -52,6 +52,9 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.pallas import common
 
+# This path computes in float32 on every platform (XLA's default on GPU is TF32 products).
+_HIGHEST = lax.Precision.HIGHEST
+
 
 def _chunk_reader(pool, bt, pages_per_chunk: int):
     """``read(c) -> [B, KVH, C * BS, D]`` float32: chunk ``c`` of every row's blocks of ``pool``.
@@ -99,7 +102,7 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
         key_pos = c * N + jnp.arange(N, dtype=jnp.int32)
         in_ctx = key_pos[None, :] < kv_len[:, None]  # [B, N]
         v = jnp.where(in_ctx[:, None, :, None], read_v(c), 0.0)  # stale slots may hold NaN
-        s = jnp.einsum("bknd,bkmd->bknm", read_k(c), q32)  # [B, KVH, N, M]
+        s = jnp.einsum("bknd,bkmd->bknm", read_k(c), q32, precision=_HIGHEST)  # [B, KVH, N, M]
         visible = key_pos[None, :, None] <= row_pos[:, None, :]  # [B, N, M]
         if keys_axis == 3:
             s, visible = s.transpose(0, 1, 3, 2), visible.transpose(0, 2, 1)
@@ -111,7 +114,7 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
         if keys_axis == 2:
             o = o * alpha[:, :, 0, :, None] + jnp.sum(p[..., None] * v[:, :, :, None, :], axis=2)
         else:
-            o = o * alpha + jnp.einsum("bkmn,bknd->bkmd", p, v)
+            o = o * alpha + jnp.einsum("bkmn,bknd->bkmd", p, v, precision=_HIGHEST)
         return o, m_new, l
 
     init = (jnp.zeros((B, KVH, M, D), jnp.float32),
@@ -146,7 +149,7 @@ def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_
     n_chunks = (jnp.max(kv_len) + N - 1) // N
 
     def logits(c, s):  # s [B, KVH, NW, G]; positions past n_chunks * N stay unwritten
-        s_c = jnp.einsum("bknd,bkgd->bkng", read_k(c), q32)
+        s_c = jnp.einsum("bknd,bkgd->bkng", read_k(c), q32, precision=_HIGHEST)
         return lax.dynamic_update_slice_in_dim(s, s_c, c * N, axis=2)
 
     s = lax.fori_loop(0, n_chunks, logits, jnp.zeros((B, KVH, NW, G), jnp.float32))
@@ -162,7 +165,8 @@ def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_
     def weighted_values(c, o):  # o [B, KVH, G, D]
         in_chunk = lax.dynamic_slice_in_dim(in_ctx, c * N, N, axis=1)  # [B, N]
         v = jnp.where(in_chunk[:, None, :, None], read_v(c), 0.0)  # stale slots may hold NaN
-        return o + jnp.einsum("bkgn,bknd->bkgd", lax.dynamic_slice_in_dim(p, c * N, N, axis=3), v)
+        p_c = lax.dynamic_slice_in_dim(p, c * N, N, axis=3)
+        return o + jnp.einsum("bkgn,bknd->bkgd", p_c, v, precision=_HIGHEST)
 
     o = lax.fori_loop(0, n_chunks, weighted_values, jnp.zeros((B, KVH, G, D), jnp.float32))
     return o / l

@@ -1,0 +1,279 @@
+"""The paged-attention kernels and the engine on a GPU: correctness first, then timings.
+
+Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
+
+1. Ceilings measured now: device memory bandwidth (an in-place scale of 1 GiB, bytes read
+   + written; a sum over it, bytes read) and the matmul rate (8192^3, bf16 and float32).
+2. Decode attention, one layer, per implementation: the Pallas kernel (Triton; split-K
+   chosen automatically, and forced off), the XLA paged path, and attention over the same
+   keys laid out contiguously (a dense masked einsum: no paging at all). Each Pallas
+   output is first checked against the reference (max abs error). Columns: time per
+   call, KV bytes read per second and its fraction of the read bandwidth, and time over
+   the contiguous baseline (the cost of paging; the seeds report 1.04-1.15x).
+3. The block-size sweep (4-64 tokens per block) of the Pallas decode kernel.
+4. Ragged prefill (Pallas vs XLA), causal attention FLOP/s.
+5. The engine end to end on a random model with the default model's shapes (SmolLM2-135M:
+   same layers, heads and vocabulary, so the same FLOPs and bytes; random weights because
+   the device machine cannot fetch the GGUF): many requests, ``ignore_eos``, fixed output
+   lengths, per attention backend.
+
+Timings: a call is dispatched ``n`` times back to back and the device drained once, so
+host dispatch overlaps device work; the median of 5 such rounds after a warm-up.
+
+    python scripts/bench_gpu.py            # a few minutes on an H100
+    python scripts/bench_gpu.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
+from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
+from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
+
+# (name, query heads, KV heads, head_dim)
+SMOLLM2 = ("SmolLM2-135M", 9, 3, 64)
+LLAMA8B = ("Llama-3-8B", 32, 8, 128)
+
+
+def per_call(f, *args, n=20, rounds=5):
+    """Median seconds per call of ``f(*args)``, ``n`` calls in flight per round."""
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / n)
+    return float(np.median(ts))
+
+
+def ceilings():
+    x = jnp.ones((256 * 2**20,), jnp.float32)  # 1 GiB
+    scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
+    x = scale(scale(x))
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        x = scale(x)
+        x.block_until_ready()
+        ts.append(time.perf_counter() - t)
+    copy_bw = 2 * x.nbytes / np.median(ts)
+    read_bw = x.nbytes / per_call(jax.jit(jnp.sum), x, n=10)
+    del x
+    rates = {}
+    for dt in (jnp.bfloat16, jnp.float32):
+        a = jax.random.normal(jax.random.key(0), (8192, 8192), dt)
+        b = jax.random.normal(jax.random.key(1), (8192, 8192), dt)
+        rates[jnp.dtype(dt).name] = 2 * 8192**3 / per_call(jax.jit(jnp.matmul), a, b, n=5, rounds=3)
+    return copy_bw, read_bw, rates
+
+
+def decode_inputs(shape, num_seqs, ctx, block_size, dtype, seed=0, extra_blocks=64):
+    """A one-layer pool holding ``num_seqs`` sequences of ``ctx`` tokens in scattered blocks."""
+    _, hq, kvh, d = shape
+    rng = np.random.default_rng(seed)
+    per_seq = -(-ctx // block_size)
+    nb = 1 + num_seqs * per_seq + extra_blocks
+    pool_shape = (1, nb, kvh, block_size, d)
+    k = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
+    tables = rng.permutation(np.arange(1, nb))[: num_seqs * per_seq].reshape(num_seqs, per_seq)
+    q = jnp.asarray(rng.standard_normal((num_seqs, hq, d), np.float32), dtype)
+    lens = jnp.full((num_seqs,), ctx, jnp.int32)
+    return q, k, v, jnp.int32(0), jnp.asarray(tables, jnp.int32), lens
+
+
+def contiguous(k, v, tables):
+    """The same keys laid out per sequence: [S, KVH, ctx, D]."""
+    def lay(pool):
+        x = pool[0][tables]  # [S, W, KVH, BS, D]
+        S, W, KVH, BS, D = x.shape
+        return x.transpose(0, 2, 1, 3, 4).reshape(S, KVH, W * BS, D)
+    return lay(k), lay(v)
+
+
+@jax.jit
+def contiguous_dense(q, k, v, lens):
+    S, KVH, N, D = k.shape
+    G = q.shape[1] // KVH
+    s = jnp.einsum("skgd,sknd->skgn", q.reshape(S, KVH, G, D), k,
+                   preferred_element_type=jnp.float32) * D ** -0.5
+    s = jnp.where((jnp.arange(N)[None, :] < lens[:, None])[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("skgn,sknd->skgd", p, v, preferred_element_type=jnp.float32).astype(q.dtype).reshape(S, -1, D)
+
+
+def max_err(out, ref):
+    return float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+
+
+def decode_table(bw, quick):
+    grid = [(SMOLLM2, jnp.bfloat16, 256, 1024), (SMOLLM2, jnp.bfloat16, 64, 4096),
+            (SMOLLM2, jnp.float32, 256, 1024), (LLAMA8B, jnp.bfloat16, 64, 2048),
+            (LLAMA8B, jnp.bfloat16, 8, 16384), (LLAMA8B, jnp.bfloat16, 1, 32768)]
+    if quick:
+        grid = grid[:1] + grid[3:5]
+    print("\n## Decode attention, one layer, block size 16; KV GB/s as a fraction of the read (sum) bandwidth; "
+          "'vs contig' = time / contiguous dense")
+    print(f"{'model':<14}{'dtype':<10}{'batch':>6}{'ctx':>7}  {'implementation':<26}{'us':>9}"
+          f"{'KV GB/s':>9}{'of bw':>7}{'vs contig':>10}{'max err':>10}")
+    rows = []
+    for shape, dtype, S, ctx in grid:
+        args = decode_inputs(shape, S, ctx, 16, dtype)
+        q, k, v, layer, tables, lens = args
+        scale = shape[3] ** -0.5
+        ref = jax.jit(functools.partial(ref_paged_decode_attention, scale=scale))(*args) if S * ctx <= 2**18 \
+            else None
+        kc, vc = contiguous(k, v, tables)
+        impls = {
+            f"pallas (splits={auto_num_splits(tables.shape[1] * 16, S * shape[2])})":
+                functools.partial(paged_decode_attention, scale=scale),
+            "pallas (splits=1)": functools.partial(paged_decode_attention, scale=scale, num_splits=1),
+            "xla paged": functools.partial(xla_paged_decode_attention, scale=scale),
+        }
+        base = per_call(contiguous_dense, q, kc, vc, lens)
+        dense_out = contiguous_dense(q, kc, vc, lens)
+        kv_bytes = 2 * S * ctx * shape[2] * shape[3] * jnp.dtype(dtype).itemsize
+        for name, f in list(impls.items()) + [("contiguous dense", None)]:
+            if f is None:
+                t, err = base, max_err(dense_out, ref) if ref is not None else float("nan")
+            else:
+                out = f(*args)
+                err = max_err(out, ref if ref is not None else dense_out)
+                t = per_call(f, *args)
+            row = (shape[0], jnp.dtype(dtype).name, S, ctx, name, t * 1e6, kv_bytes / t / 1e9, kv_bytes / t / bw,
+                   t / base, err)
+            rows.append(row)
+            print(f"{row[0]:<14}{row[1]:<10}{row[2]:>6}{row[3]:>7}  {row[4]:<26}{row[5]:>9.1f}{row[6]:>9.0f}"
+                  f"{row[7]:>7.0%}{row[8]:>9.2f}x{row[9]:>10.1e}", flush=True)
+        del kc, vc, args
+    return rows
+
+
+def block_size_table(bw):
+    shape, dtype, S, ctx = LLAMA8B, jnp.bfloat16, 64, 2048
+    print(f"\n## Pallas decode vs block size ({shape[0]}, bf16, {S} x {ctx})")
+    print(f"{'block':>6}{'pages/chunk':>12}{'us':>9}{'KV GB/s':>9}{'of bw':>7}")
+    kv_bytes = 2 * S * ctx * shape[2] * shape[3] * 2
+    for bs in (4, 8, 16, 32, 64):
+        args = decode_inputs(shape, S, ctx, bs, dtype)
+        f = functools.partial(paged_decode_attention, scale=shape[3] ** -0.5)
+        t = per_call(f, *args)
+        print(f"{bs:>6}{max(1, 64 // bs):>12}{t * 1e6:>9.1f}{kv_bytes / t / 1e9:>9.0f}{kv_bytes / t / bw:>7.0%}",
+              flush=True)
+
+
+def prefill_table():
+    print("\n## Ragged prefill attention, one layer (causal FLOPs = 2 * 2 * sum(q_len * ctx) * Hq * D / 2)")
+    print(f"{'model':<14}{'batch':>6}{'tokens':>8}  {'implementation':<12}{'ms':>9}{'TFLOP/s':>9}{'max err':>10}"
+          "  (vs the reference, or vs xla where the reference does not fit)")
+    for shape, S, n in ((SMOLLM2, 8, 512), (LLAMA8B, 4, 2048)):
+        _, hq, kvh, d = shape
+        bs = 16
+        rng = np.random.default_rng(0)
+        per_seq = -(-n // bs)
+        nb = 1 + S * per_seq
+        k = jnp.asarray(rng.standard_normal((1, nb, kvh, bs, d), np.float32), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((1, nb, kvh, bs, d), np.float32), jnp.bfloat16)
+        tables = jnp.asarray(rng.permutation(np.arange(1, nb)).reshape(S, per_seq), jnp.int32)
+        q = jnp.asarray(rng.standard_normal((S * n, hq, d), np.float32), jnp.bfloat16)
+        lens = jnp.full((S,), n, jnp.int32)
+        qsl = jnp.arange(S + 1, dtype=jnp.int32) * n
+        args = (q, k, v, jnp.int32(0), tables, lens, qsl)
+        positions = jnp.tile(jnp.arange(n, dtype=jnp.int32), S)
+        # The reference gathers every token's whole table: small cases only; else compare with xla.
+        if S * n * n * kvh * d * 4 <= 2**31:
+            ref = jax.jit(functools.partial(ref_ragged_paged_attention, scale=d ** -0.5))(*args, positions)
+        else:
+            ref = xla_ragged_paged_attention(*args, scale=d ** -0.5)
+        flops = 2 * 2 * S * n * n / 2 * hq * d
+        for name, f in (("pallas", ragged_paged_attention), ("xla", xla_ragged_paged_attention)):
+            f = functools.partial(f, scale=d ** -0.5)
+            err = max_err(f(*args), ref)
+            t = per_call(f, *args, n=5)
+            print(f"{shape[0]:<14}{S:>6}{n:>8}  {name:<12}{t * 1e3:>9.2f}{flops / t / 1e12:>9.1f}{err:>10.1e}",
+                  flush=True)
+
+
+def engine_table(quick):
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.loader import LoadedModel, _abstract_params, build_model
+
+    cfg = LlamaConfig.smollm2_135m()
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / np.sqrt(a.shape[-1]),
+                          _abstract_params(cfg))
+    n_req, prompt_len, new = (64, 128, 64) if quick else (256, 128, 256)
+    prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, prompt_len).tolist()} for _ in range(n_req)]
+    sp = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+    print(f"\n## Engine, random SmolLM2-135M-shaped model (bf16), {n_req} requests x {prompt_len} prompt tokens, "
+          f"{new} new tokens each, ignore_eos, greedy")
+    print(f"{'backend':<10}{'max_num_seqs':>13}{'tok/s (gen)':>12}{'steps':>7}{'ms/step':>9}{'same tokens':>13}"
+          f"  ms/step in: schedule / batch / device / postprocess")
+    ref_tokens = None
+    for backend in ("pallas", "xla"):
+        for max_seqs in (256,):
+            model = build_model(cfg, params, dtype=jnp.bfloat16, attention_backend=backend)
+            llm = LLM(LoadedModel(model, None, cfg, "random"), max_num_seqs=max_seqs, max_model_len=1024,
+                      max_num_batched_tokens=4096, enable_prefix_caching=False, kv_cache_memory="8GiB")
+            llm.generate(prompts[:8], sp, use_tqdm=False)  # compile the common shapes
+            llm.generate(prompts, sp, use_tqdm=False)
+            s0 = llm.num_steps
+            t0 = dataclasses.astuple(llm.timers)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            dt = time.perf_counter() - t
+            steps = llm.num_steps - s0
+            phases = " / ".join(f"{(b - a) / steps * 1e3:.2f}" for a, b in zip(t0, dataclasses.astuple(llm.timers)))
+            toks = [o.outputs[0].token_ids for o in outs]
+            if ref_tokens is None:
+                ref_tokens = toks
+            # bf16 over 30 layers: count requests whose first 16 tokens agree with the first backend.
+            same = sum(a[:16] == b[:16] for a, b in zip(toks, ref_tokens))
+            print(f"{backend:<10}{max_seqs:>13}{n_req * new / dt:>12.0f}{steps:>7}{dt / steps * 1e3:>9.2f}"
+                  f"{same:>9}/{n_req}  {phases}", flush=True)
+            del llm, model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=("decode", "block-size", "prefill", "engine"), action="append")
+    args = ap.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
+    dev = jax.devices()[0]
+    print(f"# bench_gpu  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  jax {jax.__version__}  "
+          f"{dev.device_kind}  {os.cpu_count()} CPUs")
+    copy_bw, bw, rates = ceilings()
+    print(f"memory bandwidth: copy {copy_bw / 1e12:.2f} TB/s (read + write), sum {bw / 1e12:.2f} TB/s (read); "
+          "matmul 8192^3 "
+          + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()))
+    only = set(args.only or ("decode", "block-size", "prefill", "engine"))
+    if "decode" in only:
+        decode_table(bw, args.quick)
+    if "block-size" in only:
+        block_size_table(bw)
+    if "prefill" in only:
+        prefill_table()
+    if "engine" in only:
+        engine_table(args.quick)
+
+
+if __name__ == "__main__":
+    main()
