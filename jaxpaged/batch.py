@@ -14,6 +14,7 @@ itself; padding sampling rows read token 0's logits and are dropped on the host.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -83,26 +84,41 @@ def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8,
     tables = [bm.block_table(s.seq.seq_id) for s in sched]
     W = min(bucket(max(len(t) for t in tables), 4), bucket(max_blocks_per_seq, 4))
 
-    tokens = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slots = np.full(T, NULL_BLOCK, np.int32)
+    # Per-sequence values as Python lists, turned into arrays once: per-row numpy slicing
+    # costs ~20 us a sequence, ~5 ms a step at 256 sequences.
+    starts = np.fromiter((s.start for s in sched), np.int32, num_seqs)
+    counts = np.fromiter((s.num_new_tokens for s in sched), np.int32, num_seqs)
+    widths = np.fromiter(map(len, tables), np.int64, num_seqs)
     block_tables = np.full((S, W), NULL_BLOCK, np.int32)
+    block_tables[np.repeat(np.arange(num_seqs), widths), np.arange(int(widths.sum())) - np.repeat(
+        np.cumsum(widths) - widths, widths)] = np.fromiter(itertools.chain.from_iterable(tables), np.int32)
     context_lens = np.zeros(S, np.int32)
+    context_lens[:num_seqs] = starts + counts
     qsl = np.zeros(S + 1, np.int32)
+    qsl[1:num_seqs + 1] = np.cumsum(counts)
+    qsl[num_seqs + 1:] = num_tokens
+    tok_seq = np.repeat(np.arange(num_seqs), counts)  # sequence of each real token
+    pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_seqs] - starts, counts)
+    tokens = np.zeros(T, np.int32)
+    tokens[:num_tokens] = np.fromiter(itertools.chain.from_iterable(
+        s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in sched), np.int32, num_tokens)
+    positions = np.zeros(T, np.int32)
+    positions[:num_tokens] = pos
+    bs = bm.block_size
+    if (missing := np.flatnonzero(pos // bs >= widths[tok_seq])).size:
+        s = sched[tok_seq[missing[0]]]
+        raise IndexError(f"sequence {s.seq.seq_id!r}: position {pos[missing[0]]} has no block "
+                         f"({widths[tok_seq[missing[0]]]} blocks of {bs})")
+    slots = np.full(T, NULL_BLOCK, np.int32)  # padding tokens write into the null block
+    slots[:num_tokens] = block_tables[tok_seq, pos // bs] * bs + pos % bs
+
     rows: list[SampleRow] = []
     logits_indices: list[int] = []
     lp_rows: list[PromptLogprobRows] = []
     lp_idx: list[np.ndarray] = []
     lp_tgt: list[np.ndarray] = []
-    t = 0
     for i, s in enumerate(sched):
-        seq, a, n = s.seq, s.start, s.num_new_tokens
-        tokens[t:t + n] = seq.token_ids[a:a + n]
-        positions[t:t + n] = np.arange(a, a + n)
-        slots[t:t + n] = bm.slot_mapping(seq.seq_id, a, a + n)
-        block_tables[i, :len(tables[i])] = tables[i]
-        context_lens[i] = a + n
-        qsl[i + 1] = t + n
+        seq, a, n, t = s.seq, s.start, s.num_new_tokens, int(qsl[i])
         req = seq.request
         if s.samples:
             fan_out = req.params.n if (seq.num_output_tokens == 0 and not req.is_beam_search) else 1
@@ -116,8 +132,6 @@ def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8,
                 lp_rows.append(PromptLogprobRows(seq, a, stop - a))
                 lp_idx.append(np.arange(t, t + stop - a))
                 lp_tgt.append(np.asarray(seq.token_ids[a + 1:stop + 1]))
-        t += n
-    qsl[num_seqs + 1:] = t
 
     R = max(S, bucket(len(rows)))  # usually R == S: one fewer axis to compile shapes for
     li = np.zeros(R, np.int32)

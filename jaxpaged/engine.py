@@ -277,6 +277,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; returns the outputs of requests that progressed."""
+        return self._step(finished_only=False)
+
+    def _step(self, *, finished_only: bool) -> list[RequestOutput]:
+        """One iteration; ``finished_only`` builds outputs for finished requests alone
+        (``generate`` waits for those: an output per request per step is ~20 us each)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -285,7 +290,7 @@ class LLM:
         if out.empty:
             if self.scheduler.has_unfinished() and not out.preempted:
                 raise RuntimeError("scheduler made no progress: no request fits the KV pool")
-            return self._outputs(touched)
+            return self._outputs(touched, finished_only)
         ops = [("copy", a, b) for a, b in self._fork_copies] + out.block_ops
         self._fork_copies = []
         copies = self.runner.apply_block_ops(ops)
@@ -314,10 +319,10 @@ class LLM:
         if self.debug_checks:
             self.bm.check_invariants()
         self.timers.postprocess += time.perf_counter() - t3
-        return self._outputs(touched)
+        return self._outputs(touched, finished_only)
 
-    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
-        outs = [self._output(r) for r in touched.values()]
+    def _outputs(self, touched: dict[str, Request], finished_only: bool = False) -> list[RequestOutput]:
+        outs = [self._output(r) for r in touched.values() if r.finished or not finished_only]
         for r in touched.values():  # a finished request's last output is out: forget it
             if r.finished:
                 self._requests.pop(r.request_id, None)
@@ -517,7 +522,7 @@ class LLM:
         start, generated = time.perf_counter(), 0
         try:
             while wanted - done.keys():
-                for o in self.step():
+                for o in self._step(finished_only=True):
                     if o.finished and o.request_id in wanted and o.request_id not in done:
                         done[o.request_id] = o
                         generated += sum(len(c.token_ids) for c in o.outputs)

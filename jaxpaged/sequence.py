@@ -79,6 +79,7 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)  # read per sequence per step: not a property
         self.params = params
         self.seed = seed  # drawn by the engine when params.seed is None
         self.status = RequestStatus.WAITING
@@ -89,10 +90,6 @@ class Request:
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
         self.finished_seqs: list[Sequence] = []  # beam search: finished hypotheses
         self.aborted = False
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def is_beam_search(self) -> bool:
