@@ -164,6 +164,30 @@ def decode_table(bw, quick):
     return rows
 
 
+def tuning_table(bw):
+    """Keys per loop step, warps and split-K partitions of the Pallas decode kernel, each
+    case timed twice in turn (the spread between the two is the noise)."""
+    print("\n## Pallas decode tuning, bf16, block size 16 (keys per step = pages_per_chunk * 16); two passes")
+    print(f"{'model':<14}{'batch':>6}{'ctx':>7}{'keys/step':>10}{'warps':>6}{'splits':>7}{'us (1)':>9}{'us (2)':>9}"
+          f"{'of bw':>7}")
+    default = auto_num_splits
+    for shape, S, ctx in ((SMOLLM2, 256, 1024), (SMOLLM2, 64, 4096), (LLAMA8B, 64, 2048), (LLAMA8B, 8, 16384)):
+        args = decode_inputs(shape, S, ctx, 16, jnp.bfloat16)
+        kv_bytes = 2 * S * ctx * shape[2] * shape[3] * 2
+        auto = default(ctx, S * shape[2])
+        cases = [(ppc, w, auto) for ppc in (4, 8, 16) for w in (4, 8)] if ctx <= 4096 else []
+        cases += [(4, 4, k) for k in (1, 2, 4, 8, 16) if k != auto or not cases]
+        fns = {c: functools.partial(paged_decode_attention, scale=0.125, pages_per_chunk=c[0], num_warps=c[1],
+                                    num_splits=c[2]) for c in cases}
+        times = {c: [] for c in cases}
+        for _ in range(2):
+            for c in cases:
+                times[c].append(per_call(fns[c], *args))
+        for (ppc, w, k), (t1, t2) in times.items():
+            print(f"{shape[0]:<14}{S:>6}{ctx:>7}{ppc * 16:>10}{w:>6}{k:>7}{t1 * 1e6:>9.1f}{t2 * 1e6:>9.1f}"
+                  f"{kv_bytes / min(t1, t2) / bw:>7.0%}", flush=True)
+
+
 def block_size_table(bw):
     shape, dtype, S, ctx = LLAMA8B, jnp.bfloat16, 64, 2048
     print(f"\n## Pallas decode vs block size ({shape[0]}, bf16, {S} x {ctx})")
@@ -209,7 +233,7 @@ def prefill_table():
                   flush=True)
 
 
-def engine_table(quick):
+def engine_table(quick, backends=("pallas", "xla")):
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.config import LlamaConfig
     from jaxpaged.loader import LoadedModel, _abstract_params, build_model
@@ -226,7 +250,7 @@ def engine_table(quick):
     print(f"{'backend':<10}{'max_num_seqs':>13}{'tok/s (gen)':>12}{'steps':>7}{'ms/step':>9}{'same tokens':>13}"
           f"  ms/step in: schedule / batch / device / postprocess")
     ref_tokens = None
-    for backend in ("pallas", "xla"):
+    for backend in backends:
         for max_seqs in (256,):
             model = build_model(cfg, params, dtype=jnp.bfloat16, attention_backend=backend)
             llm = LLM(LoadedModel(model, None, cfg, "random"), max_num_seqs=max_seqs, max_model_len=1024,
@@ -253,7 +277,8 @@ def engine_table(quick):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("decode", "block-size", "prefill", "engine"), action="append")
+    ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "engine"), action="append")
+    ap.add_argument("--engine-backends", default="pallas,xla", help="comma-separated attention backends")
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
@@ -264,15 +289,17 @@ def main():
     print(f"memory bandwidth: copy {copy_bw / 1e12:.2f} TB/s (read + write), sum {bw / 1e12:.2f} TB/s (read); "
           "matmul 8192^3 "
           + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()))
-    only = set(args.only or ("decode", "block-size", "prefill", "engine"))
+    only = set(args.only or ("decode", "tune", "block-size", "prefill", "engine"))
     if "decode" in only:
         decode_table(bw, args.quick)
+    if "tune" in only:
+        tuning_table(bw)
     if "block-size" in only:
         block_size_table(bw)
     if "prefill" in only:
         prefill_table()
     if "engine" in only:
-        engine_table(args.quick)
+        engine_table(args.quick, tuple(args.engine_backends.split(",")))
 
 
 if __name__ == "__main__":

@@ -223,8 +223,8 @@ class TestXlaKernels:
 def test_split_k_is_chosen_for_long_tables_on_small_grids():
     assert auto_num_splits(2048, 8) == 1  # short table: single pass
     assert auto_num_splits(8192, 8) == 8  # long table, few programs: one partition per 1024 keys
-    assert auto_num_splits(8192, 64) == 4  # capped so the grid reaches ~256 programs
-    assert auto_num_splits(8192, 512) == 1  # the grid is full without splitting
+    assert auto_num_splits(8192, 256) == 4  # capped so the grid reaches ~1024 programs
+    assert auto_num_splits(8192, 1024) == 1  # the grid is full without splitting
 
 
 def test_interpreter_poisons_outputs():
