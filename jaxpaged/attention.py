@@ -14,7 +14,8 @@ Backends (``backend=``):
   path on CPU.
 - ``"reference"``: the dense pure-jnp oracle (:mod:`jaxpaged.pallas.reference`).
 - ``"auto"``: ``"xla"`` on CPU, ``"pallas"`` on GPU (measurements in
-  ``scripts/bench_kernels.py`` and the README).
+  ``scripts/bench_kernels.py``, ``scripts/bench_gpu.py`` and the README: on an H100 the
+  Pallas decode kernel is 8-20x faster than the XLA path).
 
 Decode-only steps (``md.decode_only``) use the decode kernels (one query per sequence,
 split-K for long tables); all other steps use the ragged kernels.
