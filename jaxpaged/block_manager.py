@@ -386,20 +386,32 @@ class BlockManager:
 
     def stats(self) -> MemoryStats:
         """Memory accounting; O(total block-table length)."""
-        filled: dict[int, int] = {}
-        num_tokens = 0
-        for s in self._seqs.values():
-            if s.host_blocks is None:
-                num_tokens += s.num_tokens
-                for i, b in enumerate(s.blocks):
-                    n = min(self.block_size, s.num_tokens - i * self.block_size)
-                    filled[b.block_id] = max(filled.get(b.block_id, 0), n)
+        on_device = [s for s in self._seqs.values() if s.host_blocks is None]
+        num_tokens = sum(s.num_tokens for s in on_device)
         p = self.pool
         return MemoryStats(
             num_blocks=p.num_usable, block_size=self.block_size, num_free_blocks=p.num_free - p.num_cached_free,
             num_cached_blocks=p.num_cached_free, num_used_blocks=p.num_used, num_unusable_blocks=0,
-            peak_used_blocks=p.peak_used, num_tokens=num_tokens, tokens_stored=sum(filled.values()),
+            peak_used_blocks=p.peak_used, num_tokens=num_tokens, tokens_stored=self._tokens_stored(on_device),
             num_host_blocks_used=self.num_host_blocks - len(self._host_free))
+
+    def _tokens_stored(self, seqs: list[_Sequence]) -> int:
+        """Slots holding a token, each shared block counted once (at its fullest use).
+
+        Vectorised: the engine asks every step, and a dict per block took ~2 ms a step at
+        256 sequences.
+        """
+        bs = self.block_size
+        nb = np.fromiter((len(s.blocks) for s in seqs), np.int64, len(seqs))
+        if not nb.sum():
+            return 0
+        ids = np.fromiter((b.block_id for s in seqs for b in s.blocks), np.int64, int(nb.sum()))
+        nth = np.arange(len(ids)) - np.repeat(np.cumsum(nb) - nb, nb)  # index of the block in its table
+        fill = np.clip(np.repeat([s.num_tokens for s in seqs], nb) - nth * bs, 0, bs)
+        order = np.argsort(ids, kind="stable")
+        ids, fill = ids[order], fill[order]
+        first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])  # each distinct block's run
+        return int(np.maximum.reduceat(fill, first).sum())
 
     def check_invariants(self) -> None:
         """Check the pool and every block table against each other; O(num_blocks).

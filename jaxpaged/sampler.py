@@ -416,7 +416,8 @@ def _bucket(n: int) -> int:
 def _padded_ids(lists: Sequence[Sequence[int]], num_rows: int) -> np.ndarray:
     out = np.full((num_rows, _bucket(max(map(len, lists), default=0))), -1, np.int32)
     for i, ids in enumerate(lists):
-        out[i, : len(ids)] = ids
+        if len(ids):
+            out[i, : len(ids)] = ids
     return out
 
 
@@ -435,35 +436,47 @@ def build_sampling_metadata(
     rows = [SamplingRow(*r) for r in rows]
     if len(rows) > padded_rows:
         raise ValueError(f"{len(rows)} rows do not fit in padded_rows={padded_rows}")
-    num_rows = padded_rows
-    temperature = np.zeros(num_rows, np.float32)
-    top_k = np.zeros(num_rows, np.int32)
-    top_p = np.ones(num_rows, np.float32)
-    min_p = np.zeros(num_rows, np.float32)
-    repetition = np.ones(num_rows, np.float32)
-    presence = np.zeros(num_rows, np.float32)
-    frequency = np.zeros(num_rows, np.float32)
+    num_rows, n = padded_rows, len(rows)
+    # Per distinct SamplingParams (a batch usually shares a few), then spread to the rows
+    # by index: per-row numpy scalar writes took 1.6 ms at 256 rows, this 0.5 ms.
+    distinct: dict[int, int] = {}
+    uniq: list[SamplingParams] = []
+    for r in rows:
+        if id(r.params) not in distinct:
+            distinct[id(r.params)] = len(uniq)
+            uniq.append(r.params)
+    which = np.fromiter((distinct[id(r.params)] for r in rows), np.int64, n)
+
+    def per_row(values, dtype, pad):
+        out = np.full(num_rows, pad, dtype)
+        out[:n] = np.asarray(values, dtype)[which]
+        return out
+
+    temperature = per_row([p.temperature for p in uniq], np.float32, 0)
+    top_k = per_row([p.top_k if 0 < p.top_k < vocab_size else 0 for p in uniq], np.int32, 0)
+    top_p = per_row([p.top_p for p in uniq], np.float32, 1)
+    min_p = per_row([p.min_p for p in uniq], np.float32, 0)
+    repetition = per_row([p.repetition_penalty for p in uniq], np.float32, 1)
+    presence = per_row([p.presence_penalty for p in uniq], np.float32, 0)
+    frequency = per_row([p.frequency_penalty for p in uniq], np.float32, 0)
+    seeds = np.fromiter((r.seed % (1 << 64) for r in rows), np.uint64, n)
     rng_key = np.zeros((num_rows, 2), np.uint32)
+    # What jax.random.key(seed) holds (x64): the high and low 32 bits.
+    rng_key[:n, 0], rng_key[:n, 1] = seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)
     output_pos = np.zeros(num_rows, np.int32)
-    prompts, outputs, biases, banned = [], [], [], []
-    use_penalties = False
-    for i, (p, seed, prompt_ids, output_ids) in enumerate(rows):
-        temperature[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
-        top_k[i] = p.top_k if 0 < p.top_k < vocab_size else 0
-        repetition[i], presence[i], frequency[i] = (
-            p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-        seed %= 1 << 64
-        rng_key[i] = seed >> 32, seed & 0xFFFFFFFF  # what jax.random.key(seed) holds (x64)
-        output_pos[i] = len(output_ids)
-        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-        use_penalties |= penalised
-        prompts.append(prompt_ids if p.repetition_penalty != 1 else ())
-        outputs.append(output_ids if penalised else ())
-        bias = p.logit_bias or {}
-        if bad := [t for t in bias if t >= vocab_size]:
+    output_pos[:n] = np.fromiter((len(r.output_token_ids) for r in rows), np.int32, n)
+    for p in uniq:
+        if bad := [t for t in (p.logit_bias or {}) if t >= vocab_size]:
             raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary (size {vocab_size})")
-        biases.append(bias)
-        stops = dict.fromkeys([*eos_ids, *p.stop_token_ids]) if len(output_ids) < p.min_tokens else {}
+    penalised = [p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1 for p in uniq]
+    use_penalties = any(penalised)
+    prompts, outputs, biases, banned = [], [], [], []
+    for r, u in zip(rows, which.tolist()):
+        p = r.params
+        prompts.append(r.prompt_token_ids if p.repetition_penalty != 1 else ())
+        outputs.append(r.output_token_ids if penalised[u] else ())
+        biases.append(p.logit_bias or {})
+        stops = dict.fromkeys([*eos_ids, *p.stop_token_ids]) if len(r.output_token_ids) < p.min_tokens else {}
         banned.append([t for t in stops if 0 <= t < vocab_size])
     bias_ids = _padded_ids([list(b) for b in biases], num_rows)
     bias_values = np.zeros(bias_ids.shape, np.float32)
