@@ -10,7 +10,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    output is first checked against the reference (max abs error). Columns: time per
    call, KV bytes read per second and its fraction of the read bandwidth, and time over
    the contiguous baseline (the cost of paging; the seeds report 1.04-1.15x).
-3. The block-size sweep (4-64 tokens per block) of the Pallas decode kernel.
+3. Tuning of the Pallas decode kernel (keys per loop step, warps, split-K partitions),
+   each case twice, and the block-size sweep (4-64 tokens per block).
 4. Ragged prefill (Pallas vs XLA), causal attention FLOP/s.
 5. The engine end to end on a random model with the default model's shapes (SmolLM2-135M:
    same layers, heads and vocabulary, so the same FLOPs and bytes; random weights because
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
 from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
@@ -108,13 +110,16 @@ def contiguous(k, v, tables):
 
 @jax.jit
 def contiguous_dense(q, k, v, lens):
+    """The baseline without paging; float32 multiplies in full float32, as the kernels do."""
     S, KVH, N, D = k.shape
     G = q.shape[1] // KVH
-    s = jnp.einsum("skgd,sknd->skgn", q.reshape(S, KVH, G, D), k,
+    prec = dot_precision(k.dtype)
+    s = jnp.einsum("skgd,sknd->skgn", q.reshape(S, KVH, G, D), k, precision=prec,
                    preferred_element_type=jnp.float32) * D ** -0.5
     s = jnp.where((jnp.arange(N)[None, :] < lens[:, None])[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("skgn,sknd->skgd", p, v, preferred_element_type=jnp.float32).astype(q.dtype).reshape(S, -1, D)
+    o = jnp.einsum("skgn,sknd->skgd", p, v, precision=prec, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(S, -1, D)
 
 
 def max_err(out, ref):
