@@ -29,6 +29,7 @@ from jaxpaged import sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention
 from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
+from jaxpaged.pallas.common import dot_precision
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
@@ -126,6 +127,7 @@ class Llama(nnx.Module):
         scale = 1.0 / math.sqrt(cfg.head_dim)
         backend = self.attention_backend
         mesh = self.mesh
+        prec = dot_precision(self.dtype)  # float32 weights: no TF32 products on GPU
         if mesh is None:
             x = self.embed[...][tokens]  # [T, D]
         else:
@@ -138,9 +140,9 @@ class Llama(nnx.Module):
             p = nnx.merge(layer_def, state)
             with jax.named_scope("attention"):
                 h = rms_norm(x, p.input_norm[...], eps)
-                q = jnp.einsum("TD,DNH->TNH", h, p.wq[...])
-                k = jnp.einsum("TD,DKH->TKH", h, p.wk[...])
-                v = jnp.einsum("TD,DKH->TKH", h, p.wv[...])
+                q = jnp.einsum("TD,DNH->TNH", h, p.wq[...], precision=prec)
+                k = jnp.einsum("TD,DKH->TKH", h, p.wk[...], precision=prec)
+                v = jnp.einsum("TD,DKH->TKH", h, p.wv[...], precision=prec)
                 q = apply_rope(q, md.positions, inv_freq)
                 k = apply_rope(k, md.positions, inv_freq)
                 if mesh is None:
@@ -150,12 +152,13 @@ class Llama(nnx.Module):
                     o, kv = sharding.paged_attention_per_shard(mesh, q, k, v, kv, layer, md, scale=scale,
                                                                backend=backend)
                 # Row-parallel under TP: GSPMD all-reduces the partial sums over the head shards.
-                x = x + jnp.einsum("TNH,NHD->TD", o, p.wo[...])
+                x = x + jnp.einsum("TNH,NHD->TD", o, p.wo[...], precision=prec)
             with jax.named_scope("mlp"):
                 h = rms_norm(x, p.post_attn_norm[...], eps)
-                g = jnp.einsum("TD,DF->TF", h, p.w_gate[...])
-                u = jnp.einsum("TD,DF->TF", h, p.w_up[...])
-                x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, p.w_down[...])  # row-parallel, as wo
+                g = jnp.einsum("TD,DF->TF", h, p.w_gate[...], precision=prec)
+                u = jnp.einsum("TD,DF->TF", h, p.w_up[...], precision=prec)
+                # Row-parallel, as wo.
+                x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, p.w_down[...], precision=prec)
             return (x, kv), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -166,9 +169,9 @@ class Llama(nnx.Module):
         if mesh is not None:  # vocab shards -> whole rows on every device, for sampling
             tied = self.lm_head is None
             logits = sharding.vocab_parallel_logits(mesh, x, self.embed[...] if tied else self.lm_head[...],
-                                                    tied=tied)
+                                                    tied=tied, precision=prec)
         elif self.lm_head is None:
-            logits = jnp.einsum("SD,VD->SV", x, self.embed[...])
+            logits = jnp.einsum("SD,VD->SV", x, self.embed[...], precision=prec)
         else:
-            logits = jnp.einsum("SD,DV->SV", x, self.lm_head[...])
+            logits = jnp.einsum("SD,DV->SV", x, self.lm_head[...], precision=prec)
         return logits.astype(jnp.float32), kv

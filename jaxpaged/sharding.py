@@ -185,7 +185,7 @@ def embed_tokens(mesh: Mesh, table: Float[Array, "V D"], tokens: Int[Array, "T"]
 
 
 def vocab_parallel_logits(mesh: Mesh, x: Float[Array, "S D"], table: jax.Array, *,
-                          tied: bool) -> Float[Array, "S V"]:
+                          tied: bool, precision=None) -> Float[Array, "S V"]:
     """Logits of ``x`` against the embedding ``[V, D]`` (``tied``) or the LM head ``[D, V]``:
     each device computes its vocabulary slice, one all-gather assembles whole rows.
 
@@ -196,10 +196,10 @@ def vocab_parallel_logits(mesh: Mesh, x: Float[Array, "S D"], table: jax.Array, 
     eq = "SD,VD->SV" if tied else "SD,DV->SV"
     spec = P(TP, None) if tied else P(None, TP)
     if table.shape[0 if tied else 1] % mesh.size:  # replicated table
-        return jnp.einsum(eq, x, table)
+        return jnp.einsum(eq, x, table, precision=precision)
 
     def local(x, table):
-        return lax.all_gather(jnp.einsum(eq, x, table), TP, axis=1, tiled=True)
+        return lax.all_gather(jnp.einsum(eq, x, table, precision=precision), TP, axis=1, tiled=True)
 
     # check_vma=False: all_gather's result is the same on every device, but typed as varying.
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), spec), out_specs=P(), check_vma=False)(x, table)

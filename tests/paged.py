@@ -1,4 +1,5 @@
-"""A trivial allocator for tests: sequence i owns consecutive blocks, after the null block."""
+"""Test helpers: a trivial allocator (sequence i owns consecutive blocks, after the null
+block), the model's jitted forward, and the precision of every dot in a jaxpr."""
 
 from __future__ import annotations
 
@@ -47,3 +48,17 @@ def jit_forward(model):
         return nnx.merge(graphdef, state)(tokens, kv, md, logits_indices)
 
     return lambda tokens, kv, md, logits_indices=None: fwd(state, tokens, kv, md, logits_indices)
+
+
+def dot_precisions(jaxpr) -> list:
+    """The ``precision`` of every dot_general in ``jaxpr``, kernels and loop bodies included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += dot_precisions(inner)
+    return found

@@ -34,6 +34,7 @@ from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attent
 from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
+from paged import dot_precisions
 
 KVH = 2
 NUM_LAYERS = 2
@@ -258,20 +259,6 @@ def test_ragged_lowers_to_triton(dtype):
     assert "__gpu$xla.gpu.triton" in _lower_for_cuda(f, *args)
 
 
-def _dot_precisions(jaxpr):
-    """The ``precision`` of every dot_general in ``jaxpr``, kernels and loop bodies included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn.params["precision"])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _dot_precisions(inner)
-    return found
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kernel", ["decode", "ragged"])
 def test_float32_dots_ask_for_full_precision(kernel, dtype):
@@ -283,7 +270,7 @@ def test_float32_dots_ask_for_full_precision(kernel, dtype):
     else:
         args, _ = ragged_case(0, block_size=16, ratio=3, head_dim=64, dtype=dtype)
         f = functools.partial(ragged_paged_attention, scale=0.125, interpret=False)
-    precisions = _dot_precisions(jax.make_jaxpr(f)(*args).jaxpr)
+    precisions = dot_precisions(jax.make_jaxpr(f)(*args).jaxpr)
     assert len(precisions) == 2  # q @ k and p @ v
     want = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     assert all(p is not None and set(p) == {want} for p in precisions), precisions

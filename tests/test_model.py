@@ -6,7 +6,7 @@ import torch
 
 from jaxpaged.kv_cache import init_kv_pool
 from jaxpaged.loader import load_model
-from paged import step_metadata
+from paged import dot_precisions, step_metadata
 
 BS = 4  # small blocks, so sequences span many blocks
 
@@ -66,3 +66,27 @@ def test_chunked_prefill_matches_hf(tiny_hf):
         logits, kv = lm.model(np.array(ids[done:done + chunk], np.int32), kv, md)
         done += chunk
     np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, ids)[-6:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_matmuls_ask_for_full_precision(tiny_hf, dtype):
+    """On GPU the default multiplies float32 in TF32 (~1e-3 relative error); a float32
+    model must ask for HIGHEST in every projection and the LM head (and the attention
+    it calls). bfloat16 keeps the default."""
+    import jax
+    import jax.numpy as jnp
+
+    folder, _ = tiny_hf
+    lm = load_model(folder, dtype=getattr(jnp, dtype), attention_backend="xla")
+    md = step_metadata([0], [5], block_size=BS, blocks_per_seq=2)
+    pool = init_kv_pool(lm.config.num_layers, 3, lm.config.num_kv_heads, BS, lm.config.head_dim,
+                        getattr(jnp, dtype))
+    jaxpr = jax.make_jaxpr(lambda t, kv: lm.model(t, kv, md))(np.arange(5, dtype=np.int32), pool).jaxpr
+    kinds = [None if p is None else set(p) for p in dot_precisions(jaxpr)]
+    highest, default = {jax.lax.Precision.HIGHEST}, {jax.lax.Precision.DEFAULT}
+    # The scanned layer body's 7 projections and the LM head; the xla attention path's own
+    # dots compute in float32 whatever the pool's dtype.
+    if dtype == "float32":
+        assert len(kinds) >= 8 and all(k == highest for k in kinds), kinds
+    else:
+        assert sum(k == default for k in kinds) == 8 and all(k in (default, highest) for k in kinds), kinds
