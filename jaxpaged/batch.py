@@ -104,11 +104,14 @@ def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8,
         s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in sched), np.int32, num_tokens)
     positions = np.zeros(T, np.int32)
     positions[:num_tokens] = pos
+    # A chunk past the slots the block manager reserved would write into someone else's
+    # block (or skip copy-on-write): the scheduler and the block manager disagree.
+    reserved = np.fromiter((bm.num_tokens(s.seq.seq_id) for s in sched), np.int64, num_seqs)
+    if (over := np.flatnonzero(starts + counts > reserved)).size:
+        s = sched[over[0]]
+        raise IndexError(f"positions [{s.start}, {s.start + s.num_new_tokens}) of sequence {s.seq.seq_id!r}; "
+                         f"it has {reserved[over[0]]} slots")
     bs = bm.block_size
-    if (missing := np.flatnonzero(pos // bs >= widths[tok_seq])).size:
-        s = sched[tok_seq[missing[0]]]
-        raise IndexError(f"sequence {s.seq.seq_id!r}: position {pos[missing[0]]} has no block "
-                         f"({widths[tok_seq[missing[0]]]} blocks of {bs})")
     slots = np.full(T, NULL_BLOCK, np.int32)  # padding tokens write into the null block
     slots[:num_tokens] = block_tables[tok_seq, pos // bs] * bs + pos % bs
 

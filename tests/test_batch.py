@@ -78,10 +78,12 @@ def test_arrays_match_the_oracle(seqs, holes, seed):
     np.testing.assert_array_equal(b.logits_indices[:len(samplers)], [b.query_start_loc[i + 1] - 1 for i in samplers])
 
 
-def test_position_without_a_block_is_an_error():
+@pytest.mark.parametrize("reserved", [3, 4])  # past the reserved slots, inside / past the last block
+def test_positions_past_the_reserved_slots_are_an_error(reserved):
     bm = BlockManager(20, BS, enable_prefix_caching=False)
     req = Request("r", None, list(range(10)), SamplingParams(), 0.0, 0)
     seq = req.seqs[0]
-    bm.allocate(seq.seq_id, seq.token_ids, num_new_tokens=4)  # one block: positions 0..3
-    with pytest.raises(IndexError, match=f"sequence {seq.seq_id!r}: position 4 has no block"):
-        build_batch(SchedulerOutput([ScheduledSeq(seq, 0, 6)], [], []), bm, max_blocks_per_seq=8)
+    bm.allocate(seq.seq_id, seq.token_ids, num_new_tokens=reserved)
+    n = reserved + 1
+    with pytest.raises(IndexError, match=rf"positions \[0, {n}\) of sequence {seq.seq_id!r}; it has {reserved} slots"):
+        build_batch(SchedulerOutput([ScheduledSeq(seq, 0, n)], [], []), bm, max_blocks_per_seq=8)

@@ -29,16 +29,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def dot_precision(dtype) -> jax.lax.Precision:
-    """Precision of an attention dot over operands of ``dtype``.
+def dot_precision(dtype) -> jax.lax.Precision | None:
+    """Precision of a dot over operands of ``dtype`` (attention and the model's matmuls).
 
     float32 asks for full float32 products: on GPU the default lets XLA and Triton
     multiply float32 operands in TF32 (10-bit mantissa, ~1e-3 relative error), which a
-    float32 pool is chosen to avoid (the native kernel tests failed at 8.6e-4 on an H100
-    before). Other dtypes keep the default: a product of two bfloat16 numbers is exact in
-    the float32 accumulator, so asking for more can only cost time.
+    float32 model is chosen to avoid (the native kernel tests failed at 8.6e-4 on an H100
+    before). Other dtypes get ``None``, which follows ``jax.default_matmul_precision``: a
+    product of two bfloat16 numbers is exact in the float32 accumulator anyway.
     """
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def default_interpret() -> bool:
