@@ -22,7 +22,7 @@ def new_pool(cfg, num_blocks):
 
 def test_prefill_logits_match_hf(tiny_hf):
     folder, hf = tiny_hf
-    lm = load_model(folder, attention_backend="reference")
+    lm = load_model(folder, dtype=np.float32, attention_backend="reference")  # not the GPU default, bf16
     ids = np.random.default_rng(1).integers(0, lm.config.vocab_size, 23).tolist()
     md = step_metadata([0], [len(ids)], block_size=BS, blocks_per_seq=8)
     logits, _ = lm.model(np.array(ids, np.int32), new_pool(lm.config, 9), md)
@@ -32,7 +32,7 @@ def test_prefill_logits_match_hf(tiny_hf):
 def test_batched_prefill_then_decode_matches_each_sequence_alone(tiny_hf):
     """Three sequences of different lengths share one pool: a packed prefill, then decode steps."""
     folder, hf = tiny_hf
-    lm = load_model(folder, attention_backend="reference")
+    lm = load_model(folder, dtype=np.float32, attention_backend="reference")  # not the GPU default, bf16
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, lm.config.vocab_size, n).tolist() for n in (5, 11, 2)]
     per_seq = 8
@@ -57,7 +57,7 @@ def test_batched_prefill_then_decode_matches_each_sequence_alone(tiny_hf):
 def test_chunked_prefill_matches_hf(tiny_hf):
     """A prompt fed in chunks that start mid-block attends to its cached prefix."""
     folder, hf = tiny_hf
-    lm = load_model(folder, attention_backend="reference")
+    lm = load_model(folder, dtype=np.float32, attention_backend="reference")  # not the GPU default, bf16
     ids = np.random.default_rng(3).integers(0, lm.config.vocab_size, 19).tolist()
     kv = new_pool(lm.config, 9)
     done = 0
