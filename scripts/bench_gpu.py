@@ -19,7 +19,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    lengths, per attention backend.
 
 Timings: a call is dispatched ``n`` times back to back and the device drained once, so
-host dispatch overlaps device work; the median of 5 such rounds after a warm-up.
+host dispatch overlaps device work; the median of 5 such rounds after a warm-up. Writes
+``bench_out/bench_gpu.json`` and a plot, ``bench_out/bench_gpu.png``.
 
     python scripts/bench_gpu.py            # a few minutes on an H100
     python scripts/bench_gpu.py --quick
@@ -37,6 +38,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from bench_common import new_figure, save_figure, save_json
 
 from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
@@ -198,12 +201,15 @@ def block_size_table(bw):
     print(f"\n## Pallas decode vs block size ({shape[0]}, bf16, {S} x {ctx})")
     print(f"{'block':>6}{'pages/chunk':>12}{'us':>9}{'KV GB/s':>9}{'of bw':>7}")
     kv_bytes = 2 * S * ctx * shape[2] * shape[3] * 2
+    rows = []
     for bs in (4, 8, 16, 32, 64):
         args = decode_inputs(shape, S, ctx, bs, dtype)
         f = functools.partial(paged_decode_attention, scale=shape[3] ** -0.5)
         t = per_call(f, *args)
+        rows.append({"block_size": bs, "us": t * 1e6, "of_bw": kv_bytes / t / bw})
         print(f"{bs:>6}{max(1, 64 // bs):>12}{t * 1e6:>9.1f}{kv_bytes / t / 1e9:>9.0f}{kv_bytes / t / bw:>7.0%}",
               flush=True)
+    return rows
 
 
 def prefill_table():
@@ -295,16 +301,56 @@ def main():
           "matmul 8192^3 "
           + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()))
     only = set(args.only or ("decode", "tune", "block-size", "prefill", "engine"))
+    report = {"device": dev.device_kind, "jax": jax.__version__, "copy_bw": copy_bw, "read_bw": bw,
+              "matmul_flops": rates}
     if "decode" in only:
-        decode_table(bw, args.quick)
+        keys = ("model", "dtype", "batch", "ctx", "implementation", "us", "kv_gb_s", "of_bw", "vs_contiguous",
+                "max_err")
+        report["decode"] = [dict(zip(keys, r)) for r in decode_table(bw, args.quick)]
     if "tune" in only:
         tuning_table(bw)
     if "block-size" in only:
-        block_size_table(bw)
+        report["block_size"] = block_size_table(bw)
     if "prefill" in only:
         prefill_table()
     if "engine" in only:
         engine_table(args.quick, tuple(args.engine_backends.split(",")))
+    name = "bench_gpu_quick" if args.quick else "bench_gpu"
+    save_json(f"{name}.json", report)
+    if "decode" in report or "block_size" in report:
+        plot(report, f"{name}.png")
+
+
+def plot(report: dict, name: str) -> None:
+    """Decode attention's fraction of the read bandwidth per shape and implementation, and
+    the Pallas kernel's time per block size."""
+    fig, axes = new_figure(1, 2, f"Paged decode attention on {report['device']} (jax {report['jax']})")
+    ax1, ax2 = axes[0]
+    rows = report.get("decode", [])
+    shapes = list(dict.fromkeys(f"{r['model']} {r['dtype']}\n{r['batch']} x {r['ctx']}" for r in rows))
+    impls = [("pallas (splits=", "Pallas (auto split-K)"), ("xla paged", "XLA paged path"),
+             ("contiguous dense", "contiguous dense einsum")]
+    width = 0.8 / len(impls)
+    for j, (prefix, label) in enumerate(impls):
+        xs, ys = [], []
+        for i, shape in enumerate(shapes):
+            hits = [r for r in rows if f"{r['model']} {r['dtype']}\n{r['batch']} x {r['ctx']}" == shape
+                    and r["implementation"].startswith(prefix)]
+            if hits:  # the auto-split row comes first
+                xs.append(i + (j - 1) * width)
+                ys.append(100 * hits[0]["of_bw"])
+        ax1.bar(xs, ys, width, label=label)
+    ax1.set_xticks(range(len(shapes)), shapes, fontsize=6)
+    ax1.set_ylabel("KV bytes/s, % of read bandwidth")
+    ax1.legend(fontsize=7)
+    sweep = report.get("block_size", [])
+    ax2.plot([r["block_size"] for r in sweep], [r["us"] for r in sweep], "o-")
+    ax2.set_xscale("log", base=2)
+    ax2.set_ylim(bottom=0)  # flat is the claim: show it from zero
+    ax2.set_xlabel("block size (tokens)")
+    ax2.set_ylabel("us per call")
+    ax2.set_title("Pallas decode vs block size (Llama-3-8B, bf16, 64 x 2048)", fontsize=8)
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":
