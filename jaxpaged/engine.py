@@ -12,12 +12,11 @@ import itertools
 import logging
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence as Seq
+from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.attention import BACKENDS
@@ -33,7 +32,7 @@ from jaxpaged.runner import ModelRunner
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Request, RequestStatus, Sequence
+from jaxpaged.sequence import Request, Sequence
 
 log = logging.getLogger(__name__)
 
