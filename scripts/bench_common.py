@@ -33,6 +33,18 @@ import numpy as np
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "bench_out"
 
+def random_params(cfg, seed: int = 0) -> dict:
+    """Random weights for a ``LlamaConfig`` (std 1/sqrt(fan-in)): the same FLOPs and bytes as
+    a real checkpoint of that shape, for benchmarks on machines that cannot fetch one."""
+    import jax
+
+    from jaxpaged.loader import _abstract_params
+
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / np.sqrt(a.shape[-1]),
+                        _abstract_params(cfg))
+
+
 # ---- machine ------------------------------------------------------------------------
 
 

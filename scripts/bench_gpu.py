@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import new_figure, save_figure, save_json
+import bench_kernels
+from bench_common import new_figure, random_params, save_figure, save_json
+from bench_kernels import contiguous_cache, contiguous_dense
 
-from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
 from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
@@ -87,42 +88,9 @@ def ceilings():
     return copy_bw, read_bw, rates
 
 
-def decode_inputs(shape, num_seqs, ctx, block_size, dtype, seed=0, extra_blocks=64):
-    """A one-layer pool holding ``num_seqs`` sequences of ``ctx`` tokens in scattered blocks."""
-    _, hq, kvh, d = shape
-    rng = np.random.default_rng(seed)
-    per_seq = -(-ctx // block_size)
-    nb = 1 + num_seqs * per_seq + extra_blocks
-    pool_shape = (1, nb, kvh, block_size, d)
-    k = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
-    tables = rng.permutation(np.arange(1, nb))[: num_seqs * per_seq].reshape(num_seqs, per_seq)
-    q = jnp.asarray(rng.standard_normal((num_seqs, hq, d), np.float32), dtype)
-    lens = jnp.full((num_seqs,), ctx, jnp.int32)
-    return q, k, v, jnp.int32(0), jnp.asarray(tables, jnp.int32), lens
-
-
-def contiguous(k, v, tables):
-    """The same keys laid out per sequence: [S, KVH, ctx, D]."""
-    def lay(pool):
-        x = pool[0][tables]  # [S, W, KVH, BS, D]
-        S, W, KVH, BS, D = x.shape
-        return x.transpose(0, 2, 1, 3, 4).reshape(S, KVH, W * BS, D)
-    return lay(k), lay(v)
-
-
-@jax.jit
-def contiguous_dense(q, k, v, lens):
-    """The baseline without paging; float32 multiplies in full float32, as the kernels do."""
-    S, KVH, N, D = k.shape
-    G = q.shape[1] // KVH
-    prec = dot_precision(k.dtype)
-    s = jnp.einsum("skgd,sknd->skgn", q.reshape(S, KVH, G, D), k, precision=prec,
-                   preferred_element_type=jnp.float32) * D ** -0.5
-    s = jnp.where((jnp.arange(N)[None, :] < lens[:, None])[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("skgn,sknd->skgd", p, v, precision=prec, preferred_element_type=jnp.float32)
-    return o.astype(q.dtype).reshape(S, -1, D)
+def decode_inputs(shape, num_seqs, ctx, block_size, dtype):
+    """bench_kernels' scattered one-layer pool for a ``(name, query heads, KV heads, head_dim)`` shape."""
+    return bench_kernels.decode_inputs(num_seqs, ctx, heads=shape[1:], block_size=block_size, dtype=dtype)
 
 
 def max_err(out, ref):
@@ -146,7 +114,7 @@ def decode_table(bw, quick):
         scale = shape[3] ** -0.5
         ref = jax.jit(functools.partial(ref_paged_decode_attention, scale=scale))(*args) if S * ctx <= 2**18 \
             else None
-        kc, vc = contiguous(k, v, tables)
+        kc, vc = contiguous_cache(k, v, tables)
         impls = {
             f"pallas (splits={auto_num_splits(tables.shape[1] * 16, S * shape[2])})":
                 functools.partial(paged_decode_attention, scale=scale),
@@ -178,11 +146,10 @@ def tuning_table(bw):
     print("\n## Pallas decode tuning, bf16, block size 16 (keys per step = pages_per_chunk * 16); two passes")
     print(f"{'model':<14}{'batch':>6}{'ctx':>7}{'keys/step':>10}{'warps':>6}{'splits':>7}{'us (1)':>9}{'us (2)':>9}"
           f"{'of bw':>7}")
-    default = auto_num_splits
     for shape, S, ctx in ((SMOLLM2, 256, 1024), (SMOLLM2, 64, 4096), (LLAMA8B, 64, 2048), (LLAMA8B, 8, 16384)):
         args = decode_inputs(shape, S, ctx, 16, jnp.bfloat16)
         kv_bytes = 2 * S * ctx * shape[2] * shape[3] * 2
-        auto = default(ctx, S * shape[2])
+        auto = auto_num_splits(ctx, S * shape[2])
         cases = [(ppc, w, auto) for ppc in (4, 8, 16) for w in (4, 8)] if ctx <= 4096 else []
         cases += [(4, 4, k) for k in (1, 2, 4, 8, 16) if k != auto or not cases]
         fns = {c: functools.partial(paged_decode_attention, scale=0.125, pages_per_chunk=c[0], num_warps=c[1],
@@ -247,42 +214,40 @@ def prefill_table():
 def engine_table(quick, backends=("pallas", "xla")):
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.config import LlamaConfig
-    from jaxpaged.loader import LoadedModel, _abstract_params, build_model
+    from jaxpaged.loader import LoadedModel, build_model
 
     cfg = LlamaConfig.smollm2_135m()
+    params = random_params(cfg)
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / np.sqrt(a.shape[-1]),
-                          _abstract_params(cfg))
     n_req, prompt_len, new = (64, 128, 64) if quick else (256, 128, 256)
     prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, prompt_len).tolist()} for _ in range(n_req)]
     sp = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
     print(f"\n## Engine, random SmolLM2-135M-shaped model (bf16), {n_req} requests x {prompt_len} prompt tokens, "
-          f"{new} new tokens each, ignore_eos, greedy")
-    print(f"{'backend':<10}{'max_num_seqs':>13}{'tok/s (gen)':>12}{'steps':>7}{'ms/step':>9}{'same tokens':>13}"
+          f"{new} new tokens each, ignore_eos, greedy, max_num_seqs 256")
+    print(f"{'backend':<10}{'tok/s (gen)':>12}{'steps':>7}{'ms/step':>9}{'same tokens':>13}"
           f"  ms/step in: schedule / batch / device / postprocess")
     ref_tokens = None
     for backend in backends:
-        for max_seqs in (256,):
-            model = build_model(cfg, params, dtype=jnp.bfloat16, attention_backend=backend)
-            llm = LLM(LoadedModel(model, None, cfg, "random"), max_num_seqs=max_seqs, max_model_len=1024,
-                      max_num_batched_tokens=4096, enable_prefix_caching=False, kv_cache_memory="8GiB")
-            llm.generate(prompts[:8], sp, use_tqdm=False)  # compile the common shapes
-            llm.generate(prompts, sp, use_tqdm=False)
-            s0 = llm.num_steps
-            t0 = dataclasses.astuple(llm.timers)
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            dt = time.perf_counter() - t
-            steps = llm.num_steps - s0
-            phases = " / ".join(f"{(b - a) / steps * 1e3:.2f}" for a, b in zip(t0, dataclasses.astuple(llm.timers)))
-            toks = [o.outputs[0].token_ids for o in outs]
-            if ref_tokens is None:
-                ref_tokens = toks
-            # bf16 over 30 layers: count requests whose first 16 tokens agree with the first backend.
-            same = sum(a[:16] == b[:16] for a, b in zip(toks, ref_tokens))
-            print(f"{backend:<10}{max_seqs:>13}{n_req * new / dt:>12.0f}{steps:>7}{dt / steps * 1e3:>9.2f}"
-                  f"{same:>9}/{n_req}  {phases}", flush=True)
-            del llm, model
+        model = build_model(cfg, params, dtype=jnp.bfloat16, attention_backend=backend)
+        llm = LLM(LoadedModel(model, None, cfg, "random"), max_num_seqs=256, max_model_len=1024,
+                  max_num_batched_tokens=4096, enable_prefix_caching=False, kv_cache_memory="8GiB")
+        llm.generate(prompts[:8], sp, use_tqdm=False)  # compile the common shapes
+        llm.generate(prompts, sp, use_tqdm=False)
+        s0 = llm.num_steps
+        t0 = dataclasses.astuple(llm.timers)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        steps = llm.num_steps - s0
+        phases = " / ".join(f"{(b - a) / steps * 1e3:.2f}" for a, b in zip(t0, dataclasses.astuple(llm.timers)))
+        toks = [o.outputs[0].token_ids for o in outs]
+        if ref_tokens is None:
+            ref_tokens = toks
+        # bf16 over 30 layers: count requests whose first 16 tokens agree with the first backend.
+        same = sum(a[:16] == b[:16] for a, b in zip(toks, ref_tokens))
+        print(f"{backend:<10}{n_req * new / dt:>12.0f}{steps:>7}{dt / steps * 1e3:>9.2f}"
+              f"{same:>9}/{n_req}  {phases}", flush=True)
+        del llm, model
 
 
 def main():

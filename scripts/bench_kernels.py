@@ -34,6 +34,7 @@ from jax import lax
 
 from jaxpaged.attention import AttentionMetadata, paged_attention
 from jaxpaged.kv_cache import KVPool, write_kv
+from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.paged_attention import paged_decode_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention
 from jaxpaged.pallas.xla import xla_paged_decode_attention
@@ -80,16 +81,18 @@ def bandwidth(reps):
     return copy, read
 
 
-def decode_inputs(num_seqs, ctx, seed=0, extra_blocks=64):
-    """A pool holding ``num_seqs`` sequences of ``ctx`` tokens in scattered blocks."""
+def decode_inputs(num_seqs, ctx, seed=0, extra_blocks=64, *, heads=(HQ, KVH, D), block_size=BS, dtype=DTYPE):
+    """A one-layer pool holding ``num_seqs`` sequences of ``ctx`` tokens in scattered blocks;
+    ``heads`` = (query heads, KV heads, head_dim). Returns the decode kernels' arguments."""
+    hq, kvh, d = heads
     rng = np.random.default_rng(seed)
-    per_seq = -(-ctx // BS)
+    per_seq = -(-ctx // block_size)
     nb = 1 + num_seqs * per_seq + extra_blocks
-    shape = (1, nb, KVH, BS, D)
-    k = jnp.asarray(rng.standard_normal(shape), DTYPE)
-    v = jnp.asarray(rng.standard_normal(shape), DTYPE)
+    shape = (1, nb, kvh, block_size, d)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
     tables = rng.permutation(np.arange(1, nb))[: num_seqs * per_seq].reshape(num_seqs, per_seq)
-    q = jnp.asarray(rng.standard_normal((num_seqs, HQ, D)), DTYPE)
+    q = jnp.asarray(rng.standard_normal((num_seqs, hq, d), np.float32), dtype)
     lens = jnp.full((num_seqs,), ctx, jnp.int32)
     return q, k, v, jnp.int32(0), jnp.asarray(tables, jnp.int32), lens
 
@@ -98,8 +101,8 @@ def contiguous_cache(k, v, tables):
     """The same K/V laid out contiguously: [S, KVH, ctx, D]."""
     def lay(pool):
         x = pool[0][tables]  # [S, W, KVH, BS, D]
-        S, W = tables.shape
-        return jnp.asarray(x.transpose(0, 2, 1, 3, 4).reshape(S, KVH, W * BS, D))
+        S, W, kvh, bs, d = x.shape
+        return x.transpose(0, 2, 1, 3, 4).reshape(S, kvh, W * bs, d)
     return lay(k), lay(v)
 
 
@@ -130,12 +133,17 @@ def contiguous_chunked(q, k, v, lens, chunk=128):
 
 @jax.jit
 def contiguous_dense(q, k, v, lens):
-    """The plain dense masked einsum over a contiguous cache."""
+    """The plain dense masked einsum over a contiguous cache (no paging at all); float32
+    multiplies in full float32, as the kernels do (on GPU the default is TF32)."""
     S, KVH_, N, D_ = k.shape
     G = q.shape[1] // KVH_
-    s = jnp.einsum("skgd,sknd->skgn", q.reshape(S, KVH_, G, D_) * D_ ** -0.5, k)
+    prec = dot_precision(k.dtype)
+    s = jnp.einsum("skgd,sknd->skgn", q.reshape(S, KVH_, G, D_), k, precision=prec,
+                   preferred_element_type=jnp.float32) * D_ ** -0.5
     s = jnp.where((jnp.arange(N)[None, :] < lens[:, None])[:, None, None, :], s, -jnp.inf)
-    return jnp.einsum("skgn,sknd->skgd", jax.nn.softmax(s, axis=-1), v).reshape(S, -1, D_)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("skgn,sknd->skgd", p, v, precision=prec, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(S, -1, D_)
 
 
 def attention_rows(shapes, bw, reps):

@@ -31,22 +31,16 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import table  # noqa: E402
+from bench_common import random_params, table  # noqa: E402
 
 from jaxpaged import LLM, SamplingParams, load_model  # noqa: E402
 from jaxpaged.config import LlamaConfig  # noqa: E402
-from jaxpaged.loader import LoadedModel, _abstract_params, build_model  # noqa: E402
+from jaxpaged.loader import LoadedModel, build_model  # noqa: E402
 from jaxpaged.sharding import make_mesh  # noqa: E402
 
 MiB = 1 << 20
 RANDOM_CFG = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
                          num_kv_heads=4, head_dim=64, tie_word_embeddings=False, max_position_embeddings=1024)
-
-
-def random_params(cfg: LlamaConfig, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda a: (rng.standard_normal(a.shape, np.float32) / np.sqrt(a.shape[-1])),
-                        _abstract_params(cfg))
 
 
 def on_one_device(arrays) -> int:
