@@ -1,0 +1,178 @@
+"""The engine under memory pressure and odd traffic: one regression test per failure of issue #14.
+
+Each was written before its fix and failed on the engine of commit db8bdf4.
+"""
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def make(model, **kw):
+    kw.setdefault("debug_checks", True)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_blocks", 64)
+    return LLM(model, **kw)
+
+
+def drain(llm, outs=None, max_steps=2000):
+    """Step until idle; the last output of every request, by id."""
+    outs = {} if outs is None else outs
+    for _ in range(max_steps):
+        if not llm.has_unfinished_requests():
+            return outs
+        outs.update({o.request_id: o for o in llm.step()})
+    raise AssertionError(f"still unfinished after {max_steps} steps: livelock")
+
+
+def alone(model, prompt, params):
+    return make(model, num_blocks=256).generate([prompt], params, use_tqdm=False)[0]
+
+
+def assert_idle(llm):
+    s = llm.stats()
+    assert s["num_used_blocks"] == 0 and s["num_host_blocks_used"] == 0, s
+    llm.bm.check_invariants()
+
+
+def test_request_that_outgrows_the_pool_alone_is_finished_not_the_engine(tiny_engine_model):
+    """Before: it preempted itself, and its readmission raised 'prompt has 17 tokens ... the pool has
+    4 usable blocks' out of step(), killing every other request."""
+    llm = make(tiny_engine_model, num_blocks=5)  # 4 usable blocks of 4 slots
+    big = llm.add_request(list(range(100, 110)), GREEDY.replace(max_tokens=20))
+    small = llm.add_request([5, 6], GREEDY.replace(max_tokens=3))
+    outs = drain(llm)
+    out = outs[big].outputs[0]
+    assert outs[big].finished and out.finish_reason == "length"
+    assert "KV" in out.finish_detail and "blocks" in out.finish_detail
+    # Cut when its 16 slots are full: 10 prompt positions + 6 generated ones computed, and the
+    # token sampled from the last; those 7 are the ones it makes alone.
+    assert len(out.token_ids) == 7
+    assert out.token_ids == alone(tiny_engine_model, list(range(100, 110)), GREEDY.replace(max_tokens=20)
+                                  ).outputs[0].token_ids[:len(out.token_ids)]
+    assert outs[small].outputs[0].token_ids == alone(tiny_engine_model, [5, 6], GREEDY.replace(max_tokens=3)
+                                                     ).outputs[0].token_ids
+    assert_idle(llm)
+
+
+def test_forked_request_readmitted_under_a_small_token_budget(tiny_engine_model):
+    """Before: a preempted n=3 request could only come back if every sample's whole recompute fitted
+    one step's token budget, so it never did: 'scheduler made no progress' escaped step()."""
+    llm = make(tiny_engine_model, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4,
+               enable_prefix_caching=False)
+    sampled = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+    a = llm.add_request(list(range(200, 211)), GREEDY.replace(max_tokens=40))
+    b = llm.add_request(list(range(300, 311)), sampled)
+    outs = drain(llm)
+    assert llm.stats()["num_preemptions"] > 0
+    assert outs[b].outputs[0].finish_reason == "length"
+    ref = alone(tiny_engine_model, list(range(300, 311)), sampled)
+    assert [c.token_ids for c in outs[b].outputs] == [c.token_ids for c in ref.outputs]
+    assert outs[a].outputs[0].token_ids == alone(tiny_engine_model, list(range(200, 211)),
+                                                 GREEDY.replace(max_tokens=40)).outputs[0].token_ids
+    assert_idle(llm)
+
+
+def test_auto_ids_never_collide_with_user_ids(tiny_engine_model):
+    """Before: the counter handed out "1" while a user's request "1" was live, and the second
+    request replaced the first in the engine's table."""
+    llm = make(tiny_engine_model)
+    mine = llm.add_request([7, 8, 9], GREEDY, request_id="1")
+    auto = [llm.add_request([7, 8, 9], GREEDY) for _ in range(3)]
+    assert len({mine, *auto}) == 4
+    with pytest.raises(ValueError, match="request id '1' is already in use"):
+        llm.add_request([1, 2], GREEDY, request_id="1")
+    with pytest.raises(ValueError, match=f"request id '{auto[0]}' is already in use"):
+        llm.add_request([1, 2], GREEDY, request_id=auto[0])
+    outs = drain(llm)
+    assert set(outs) == {mine, *auto} and all(o.finished for o in outs.values())
+    assert_idle(llm)
+
+
+def test_forks_count_against_max_num_seqs(tiny_engine_model):
+    """Before: the n samples of a request forked after its prompt pushed the running sequences past
+    max_num_seqs (the running loop never compared)."""
+    llm = make(tiny_engine_model, max_num_seqs=4)
+    for i in range(3):
+        llm.add_request([10 + i] * 5, SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=6, ignore_eos=True))
+    llm.add_request([40] * 5, GREEDY.replace(max_tokens=6))
+    while llm.has_unfinished_requests():
+        llm.step()
+        live = sum(len(r.live_seqs()) for r in llm.scheduler.running)
+        assert live <= 4, f"{live} sequences running, max_num_seqs=4"
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(n=3, temperature=1.0), "n=3 sequences; max_num_seqs is 2"),
+    (SamplingParams(n=2, use_beam_search=True, beam_width=3, temperature=0), "beam_width=3 sequences; max_num_seqs is 2"),
+], ids=["n", "beam_width"])
+def test_more_sequences_than_max_num_seqs_rejected_at_submission(tiny_engine_model, params, match):
+    """Before: accepted; after a preemption such a request could never be readmitted."""
+    llm = make(tiny_engine_model, max_num_seqs=2)
+    with pytest.raises(ValueError, match=match):
+        llm.add_request([1, 2, 3], params)
+    assert not llm.has_unfinished_requests()
+
+
+def test_contiguous_fork_waits_for_a_free_region(tiny_engine_model):
+    """Before: the contiguous baseline's fork raised 'all 3 regions are in use' after the device
+    step had already run."""
+    llm = make(tiny_engine_model, kv_allocator="contiguous", block_size=8, num_blocks=1 + 64 * 3)
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)
+    ids = [llm.add_request([20 + i] * 6, params) for i in range(3)]
+    outs = drain(llm)
+    for i, rid in enumerate(ids):
+        ref = alone(tiny_engine_model, [20 + i] * 6, params)
+        assert [c.token_ids for c in outs[rid].outputs] == [c.token_ids for c in ref.outputs]
+    llm.bm.check_invariants()
+    assert llm.stats()["num_used_blocks"] == 0
+
+
+def test_beam_search_honours_stop_strings_and_returns_logprobs(tiny_engine_model):
+    """Before: beam search ignored ``stop`` and returned ``logprobs=None``."""
+    llm = make(tiny_engine_model)
+    beam = SamplingParams(n=2, use_beam_search=True, beam_width=2, temperature=0, max_tokens=16, ignore_eos=True)
+    full = llm.generate(["The quick brown fox"], beam, use_tqdm=False)[0].outputs[0]
+    assert len(full.text) > 4
+    word = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    out = llm.generate(["The quick brown fox"], beam.replace(stop=[word], logprobs=2), use_tqdm=False)[0]
+    for c in out.outputs:
+        assert word not in c.text
+        assert (c.finish_reason, c.stop_reason) in {("stop", word), ("length", None)}
+        assert len(c.logprobs) == len(c.token_ids)
+        for tok, pos in zip(c.token_ids, c.logprobs):
+            assert tok in pos and len(pos) >= 2 and pos[tok].logprob <= 0
+        assert c.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs)),
+                                                     abs=1e-4)
+    assert any(c.finish_reason == "stop" for c in out.outputs)
+    assert_idle(llm)
+
+
+def test_beam_search_at_max_model_len_finishes_with_length(tiny_engine_model):
+    """Before: beam outputs compared the generated length, not the sequence length, with
+    max_model_len, so a beam cut there reported 'stop'."""
+    llm = make(tiny_engine_model, max_model_len=24)
+    beam = SamplingParams(n=2, use_beam_search=True, beam_width=2, temperature=0, max_tokens=None, ignore_eos=True)
+    out = llm.generate([list(range(50, 70))], beam, use_tqdm=False)[0]
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+    assert all(20 + len(c.token_ids) == 24 for c in out.outputs)
+
+
+def test_generate_and_stream_keep_other_requests_outputs(tiny_engine_model):
+    """Before: generate() and stream() stepped the engine and dropped every output that was not
+    theirs, so a request added with add_request never delivered its final output."""
+    llm = make(tiny_engine_model)
+    ref = {i: alone(tiny_engine_model, [60 + i] * 4, GREEDY).outputs[0] for i in range(3)}
+    a = llm.add_request([60] * 4, GREEDY)
+    stream = llm.stream([61] * 4, GREEDY)
+    first = next(stream)  # the stream has started; then generate() runs while it is paused
+    got = llm.generate([[62] * 4], GREEDY, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[2].token_ids
+    text = first + "".join(stream)
+    assert text == ref[1].text
+    outs = drain(llm)
+    assert outs[a].finished and outs[a].outputs[0].token_ids == ref[0].token_ids
+    assert_idle(llm)
