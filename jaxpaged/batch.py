@@ -18,17 +18,9 @@ import itertools
 
 import numpy as np
 
-from jaxpaged.block_manager import BlockManager
+from jaxpaged.padding import NULL_BLOCK, bucket
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence
-
-NULL_BLOCK = 0
-
-
-def bucket(n: int, floor: int = 1) -> int:
-    """Smallest power of two >= max(n, floor)."""
-    n = max(n, floor, 1)
-    return 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass
@@ -67,9 +59,9 @@ class Batch:
                 self.prompt_lp_indices.shape[0], self.copies.shape[0], self.decode_only)
 
 
-def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8, copies: list | None = None,
-                max_blocks_per_seq: int) -> Batch:
-    """Padded arrays for one step.
+def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8,
+                copies: list | None = None) -> Batch:
+    """Padded arrays for one step, from what the scheduler decided (block tables included).
 
     ``copies`` are the copy-on-write pairs the step itself applies (the runner applies
     swaps, which need the host, before the step).
@@ -81,7 +73,7 @@ def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8,
     S = bucket(num_seqs)
     T = S if decode_only else bucket(num_tokens, token_floor)
     S = max(S, 1)
-    tables = [bm.block_table(s.seq.seq_id) for s in sched]
+    tables = [s.block_table for s in sched]
     W = min(bucket(max(len(t) for t in tables), 4), bucket(max_blocks_per_seq, 4))
 
     # Per-sequence values as Python lists, turned into arrays once: per-row numpy slicing
@@ -106,12 +98,12 @@ def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8,
     positions[:num_tokens] = pos
     # A chunk past the slots the block manager reserved would write into someone else's
     # block (or skip copy-on-write): the scheduler and the block manager disagree.
-    reserved = np.fromiter((bm.num_tokens(s.seq.seq_id) for s in sched), np.int64, num_seqs)
+    reserved = np.fromiter((s.num_slots for s in sched), np.int64, num_seqs)
     if (over := np.flatnonzero(starts + counts > reserved)).size:
         s = sched[over[0]]
         raise IndexError(f"positions [{s.start}, {s.start + s.num_new_tokens}) of sequence {s.seq.seq_id!r}; "
                          f"it has {reserved[over[0]]} slots")
-    bs = bm.block_size
+    bs = block_size
     slots = np.full(T, NULL_BLOCK, np.int32)  # padding tokens write into the null block
     slots[:num_tokens] = block_tables[tok_seq, pos // bs] * bs + pos % bs
 
@@ -123,11 +115,9 @@ def build_batch(out: SchedulerOutput, bm: BlockManager, *, token_floor: int = 8,
     for i, s in enumerate(sched):
         seq, a, n, t = s.seq, s.start, s.num_new_tokens, int(qsl[i])
         req = seq.request
-        if s.samples:
-            fan_out = req.params.n if (seq.num_output_tokens == 0 and not req.is_beam_search) else 1
-            for k in range(fan_out):
-                rows.append(SampleRow(seq, k if fan_out > 1 else seq.index))
-                logits_indices.append(t + n - 1)
+        for k in range(s.num_samples):  # n > 1 fans out at the first token: sample k of n
+            rows.append(SampleRow(seq, k if s.num_samples > 1 else seq.index))
+            logits_indices.append(t + n - 1)
         if req.params.prompt_logprobs is not None:
             # Positions p in this chunk with a next prompt token p + 1 to score.
             stop = min(a + n, req.num_prompt_tokens - 1)

@@ -1,28 +1,40 @@
-"""Beam search over the paged pool: candidate selection on the host, beams as forked sequences.
+"""Beam search on the host: a step's top-k continuations in, a keep/fork/drop/finish plan out.
 
-Each step every live beam returns its top ``2 * width`` raw log-probabilities (the
-global top ``2 * width`` candidates are always among them). Selection follows Hugging
-Face ``generate(num_beams=width, do_sample=False)`` with its default
-``early_stopping=False``:
+Each step every live beam returns its top ``2 * width`` raw log-probabilities (the global
+top ``2 * width`` candidates are always among them). Selection follows Hugging Face
+``generate(num_beams=width, do_sample=False)`` with its default ``early_stopping=False``:
 
 - candidates are ranked by cumulative log-probability; the best ``width`` that do not
   stop become the next beams;
-- a candidate that stops (EOS, a stop token, or the length limit) and ranks within the
-  first ``width`` becomes a finished hypothesis scored ``logprob / generated_len ** length_penalty``;
-  the ``width`` best hypotheses are kept;
+- a candidate that stops (the stop rule of :mod:`jaxpaged.stopping`: EOS, a stop token, a
+  stop string, the length limit) and ranks within the first ``width`` becomes a finished
+  hypothesis scored ``logprob / generated_len ** length_penalty``; the ``width`` best
+  hypotheses are kept;
 - the search ends when every candidate stops, or when the best running beam, scored at
   its current length, can no longer beat the worst kept hypothesis.
 
-New beams reuse their parent's sequence when they are its first child and fork it
-(sharing every block; copy-on-write on the partial last block) otherwise; parents with
-no child are freed at once.
+The scheduler applies the plan: a parent's first continuation keeps the parent's own
+sequence, further ones fork it (sharing every block; copy-on-write on the partial last
+block), and parents with no continuation are freed. No jax here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jaxpaged.outputs import FinishReason, PositionLogprobs
 from jaxpaged.sequence import Sequence
+
+
+@dataclasses.dataclass
+class Candidate:
+    parent: Sequence
+    token: int
+    logprob: float  # of the token under the parent's distribution
+    cumulative_logprob: float  # the parent's plus ``logprob``
+    entry: PositionLogprobs | None = None  # the logprobs to record for this position, if asked
+    finish: tuple[FinishReason, int | str | None] | None = None  # set when appending the token ends it
+    text: str = ""  # the parent's text plus the token, cut before a stop string
 
 
 @dataclasses.dataclass
@@ -30,17 +42,25 @@ class Hypothesis:
     token_ids: list[int]  # prompt + output
     cumulative_logprob: float
     score: float
+    text: str
+    logprobs: list[PositionLogprobs]
+    finish_reason: FinishReason
+    stop_reason: int | str | None
 
 
 @dataclasses.dataclass
-class Candidate:
-    parent: Sequence
-    token: int
-    cumulative_logprob: float
-    stops: bool = False
+class BeamPlan:
+    keep: list[Candidate]  # continue in the parent's own sequence
+    fork: list[Candidate]  # continue in a fork of the parent (made before the parent appends)
+    drop: list[Sequence]  # parents with no continuation
+    done: bool  # the search is over: free every beam
+
+    @property
+    def beams(self) -> list[Candidate]:
+        return self.keep + self.fork
 
 
-class BeamState:
+class BeamSearch:
     """Finished hypotheses and the early-stop flag of one beam-search request."""
 
     def __init__(self, width: int, length_penalty: float):
@@ -52,29 +72,45 @@ class BeamState:
     def score(self, cumulative_logprob: float, generated_len: int) -> float:
         return cumulative_logprob / (generated_len ** self.length_penalty)
 
-    def select(self, beams: list[tuple[Sequence, list[int], list[float]]], stops, num_prompt_tokens: int):
-        """Rank the continuations of every beam; return (next beams' candidates, done).
+    def top_candidates(self, beams: list[tuple[Sequence, list[int], list[float]]]) -> list[Candidate]:
+        """The best ``2 * width`` continuations of every live beam, best first.
 
         Args:
-          beams: (sequence, top token ids, their raw logprobs) of every live beam.
-          stops: ``stops(sequence, token) -> bool`` whether appending ``token`` ends it.
+          beams: (sequence, its top token ids, their raw logprobs) of every live beam.
         """
-        cands = [Candidate(seq, t, seq.cumulative_logprob + lp)
+        cands = [Candidate(seq, int(t), float(lp), seq.cumulative_logprob + float(lp))
                  for seq, ids, lps in beams for t, lp in zip(ids, lps)]
         cands.sort(key=lambda c: -c.cumulative_logprob)
-        cands = cands[:2 * self.width]
-        for c in cands:
-            c.stops = stops(c.parent, c.token)
-        generated = beams[0][0].num_output_tokens + 1
+        return cands[:2 * self.width]
+
+    def plan(self, cands: list[Candidate], live: list[Sequence]) -> BeamPlan:
+        """Select the next beams from ``top_candidates`` whose ``finish`` is set.
+
+        Args:
+          cands: the output of ``top_candidates``, with ``finish``, ``text`` and ``entry`` filled.
+          live: the beams that produced them.
+        """
+        generated = live[0].num_output_tokens + 1
         if self.improvable:
             for c in cands[:self.width]:
-                if c.stops:
-                    self.hypotheses.append(Hypothesis(c.parent.token_ids + [c.token], c.cumulative_logprob,
-                                                      self.score(c.cumulative_logprob, generated)))
-            self.hypotheses.sort(key=lambda h: -h.score)
-            del self.hypotheses[self.width:]
-        running = [c for c in cands if not c.stops][:self.width]
+                if c.finish is not None:
+                    self.add(c.parent.token_ids + [c.token], c.cumulative_logprob, generated, c.text,
+                             c.parent.logprobs + ([c.entry] if c.entry is not None else []), *c.finish)
+        running = [c for c in cands if c.finish is None][:self.width]
         if running and len(self.hypotheses) == self.width:
-            best = self.score(running[0].cumulative_logprob, generated)
-            self.improvable = best > self.hypotheses[-1].score
-        return running, not running or not self.improvable
+            self.improvable = self.score(running[0].cumulative_logprob, generated) > self.hypotheses[-1].score
+        if not running or not self.improvable:
+            return BeamPlan([], [], list(live), True)
+        keep, fork, parents = [], [], set()
+        for c in running:
+            (fork if id(c.parent) in parents else keep).append(c)
+            parents.add(id(c.parent))
+        return BeamPlan(keep, fork, [s for s in live if id(s) not in parents], False)
+
+    def add(self, token_ids: list[int], cumulative_logprob: float, generated_len: int, text: str,
+            logprobs: list[PositionLogprobs], finish_reason: FinishReason, stop_reason: int | str | None) -> None:
+        """Add a finished hypothesis; keep the ``width`` best."""
+        self.hypotheses.append(Hypothesis(token_ids, cumulative_logprob, self.score(cumulative_logprob, generated_len),
+                                          text, logprobs, finish_reason, stop_reason))
+        self.hypotheses.sort(key=lambda h: -h.score)
+        del self.hypotheses[self.width:]

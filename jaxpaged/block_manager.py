@@ -11,7 +11,7 @@ keeps one state per sequence, keyed by any hashable id (a request or sequence id
 
 How the engine drives it (like vLLM v1's ``KVCacheManager``)::
 
-    bm.check_fits(len(prompt))              # at submission: ValueError if it could never fit
+    bm.check_fits(len(prompt), num_seqs)    # at submission: ValueError if it could never fit
     # admission (can_allocate raises the same ValueError)
     if bm.can_allocate(prompt, cache_salt=salt, num_new_tokens=chunk):
         num_cached = bm.allocate(rid, prompt, cache_salt=salt, num_new_tokens=chunk)
@@ -61,8 +61,9 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from jaxpaged.block_pool import (NULL_BLOCK, Block, BlockKey, BlockPool, HashFn, MemoryStats, PrefixCacheStats,
+from jaxpaged.block_pool import (Block, BlockKey, BlockPool, HashFn, MemoryStats, PrefixCacheStats,
                                   invariant, sha256_block_hash)
+from jaxpaged.padding import NULL_BLOCK
 
 __all__ = ["BlockManager", "MemoryStats", "SwapSpaceFull", "NULL_BLOCK"]
 
@@ -124,10 +125,12 @@ class BlockManager:
 
     # ---- admission ------------------------------------------------------------------
 
-    def check_fits(self, num_prompt_tokens: int) -> None:
+    def check_fits(self, num_prompt_tokens: int, num_seqs: int = 1) -> None:
         """Reject a prompt that could never be admitted, even into an empty pool.
 
         ``can_allocate`` and ``allocate`` call this; call it at submission to fail early.
+        ``num_seqs`` sequences (``n > 1`` samples, beams) share the prompt's full blocks
+        and need one block each for what follows.
 
         Raises:
           ValueError: the prompt is empty, or with one generated token it exceeds
@@ -139,9 +142,11 @@ class BlockManager:
         if self.max_model_len is not None and n > self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token that exceeds "
                              f"max_model_len={self.max_model_len}")
-        if _cdiv(n, self.block_size) > self.pool.num_usable:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token it needs "
-                             f"{_cdiv(n, self.block_size)} blocks of {self.block_size} slots, but the pool has "
+        need = num_prompt_tokens // self.block_size + num_seqs  # shared full blocks + each one's last
+        if need > self.pool.num_usable:
+            seqs = f" in {num_seqs} sequences" if num_seqs > 1 else ""
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token{seqs} it needs "
+                             f"{need} blocks of {self.block_size} slots, but the pool has "
                              f"{self.pool.num_usable} usable blocks")
 
     def can_allocate(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
@@ -261,9 +266,8 @@ class BlockManager:
             s.num_registered = i + 1
             s.parent_key = (cached.block_id, cached.generation)
 
-    def can_fork(self, seq_id: Hashable) -> bool:
-        """Always true for a sequence on the device: a fork copies nothing until a write."""
-        self._on_device(seq_id)
+    def can_fork(self, num_children: int = 1) -> bool:
+        """Always true: a fork shares every block and copies nothing until a write."""
         return True
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
@@ -370,6 +374,11 @@ class BlockManager:
         pos = np.arange(start, stop, dtype=np.int32)
         ids = np.array([b.block_id for b in s.blocks[start // bs:_cdiv(stop, bs)]], dtype=np.int32)
         return ids[pos // bs - start // bs] * bs + pos % bs
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks of the pool, the null block aside."""
+        return self.pool.num_usable
 
     @property
     def num_allocatable_blocks(self) -> int:

@@ -38,7 +38,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-NULL_BLOCK = 0  # same as kv_cache.NULL_BLOCK; not imported from there, which imports jax
+from jaxpaged.padding import NULL_BLOCK
 
 HashFn = Callable[[bytes | None, tuple[int, ...], tuple], bytes]
 

@@ -25,7 +25,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from jaxpaged.block_manager import SwapSpaceFull
-from jaxpaged.block_pool import NULL_BLOCK, MemoryStats, PrefixCacheStats, invariant
+from jaxpaged.block_pool import MemoryStats, PrefixCacheStats, invariant
+from jaxpaged.padding import NULL_BLOCK
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -59,14 +60,19 @@ class ContiguousBlockManager:
         self._seqs: dict[Hashable, _Reservation] = {}
         self._peak_regions = 0
         self.num_host_blocks = 0  # no swap space
+        self.watermark_blocks = 0
 
-    def check_fits(self, num_prompt_tokens: int) -> None:
-        """Raise ``ValueError`` if the prompt plus one token exceeds ``max_model_len``."""
+    def check_fits(self, num_prompt_tokens: int, num_seqs: int = 1) -> None:
+        """Raise ``ValueError`` if the prompt plus one token exceeds ``max_model_len``, or if
+        ``num_seqs`` sequences need more regions than the pool has."""
         if num_prompt_tokens < 1:
             raise ValueError("prompt is empty; it needs at least one token")
         if num_prompt_tokens + 1 > self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token that exceeds "
                              f"max_model_len={self.max_model_len}")
+        if num_seqs > self.num_regions:
+            raise ValueError(f"{num_seqs} sequences need {num_seqs} regions of {self.max_model_len} slots; "
+                             f"the pool has {self.num_regions}")
 
     def can_allocate(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                      num_new_tokens: int | None = None) -> bool:
@@ -113,10 +119,9 @@ class ContiguousBlockManager:
                              f"[{s.num_computed_tokens}, {s.num_tokens}] and <= {len(token_ids)} token ids")
         s.num_computed_tokens = num_computed_tokens
 
-    def can_fork(self, seq_id: Hashable) -> bool:
-        """Whether a region is free for the child."""
-        self._get(seq_id)
-        return bool(self._free_regions)
+    def can_fork(self, num_children: int = 1) -> bool:
+        """Whether ``num_children`` regions are free."""
+        return num_children <= len(self._free_regions)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """Reserve a region for ``child_id`` and copy the parent's filled blocks into it.

@@ -36,8 +36,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-NULL_BLOCK = 0
-
+from jaxpaged.padding import NULL_BLOCK
 
 class KVPool(NamedTuple):
     k: Float[Array, "L NB KVH BS D"]

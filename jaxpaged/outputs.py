@@ -16,6 +16,9 @@ class Logprob:
     rank: int  # 1 = the most likely token
     decoded_token: str | None = None
 
+    def with_text(self, text: str | None) -> Logprob:
+        return Logprob(self.logprob, self.rank, text)
+
 
 # One dict per position: token id -> Logprob (the sampled/prompt token plus the top-k).
 PositionLogprobs = dict[int, Logprob]
@@ -43,6 +46,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Why the engine, not the model or the parameters, ended it: e.g. the request outgrew
+    # the whole KV pool (then finish_reason is "length", as vLLM reports a capacity cut).
+    finish_detail: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -1,9 +1,10 @@
 """The device side of the engine: the KV pool, one jitted step, and swap copies.
 
-This is the only module where host state becomes device arrays. The step runs the
-model over the padded batch with the pool donated (so XLA updates it in place), applies
-copy-on-write block copies first, samples inside the same jit, and returns only the
-sampled tokens and the requested logprobs.
+This is the only module where host state becomes device arrays. ``execute`` takes what
+the scheduler decided, applies its block moves (swaps here, copy-on-write copies inside
+the step), builds the padded batch and the sampling metadata, runs the model over the
+batch with the pool donated (so XLA updates it in place), samples inside the same jit,
+and returns only the sampled tokens and the requested logprobs, as numpy.
 
 Under tensor parallelism the params and the pool arrive sharded (:mod:`jaxpaged.sharding`)
 and ``_step`` compiles for those input shardings; its pool output leaves the model's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +24,13 @@ from flax import nnx
 
 from jaxpaged import sharding
 from jaxpaged.attention import AttentionMetadata
-from jaxpaged.batch import Batch, bucket
+from jaxpaged.batch import Batch, build_batch
 from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks
 from jaxpaged.model import Llama
-from jaxpaged.sampler import SamplerOutput, compute_logprobs, sample
+from jaxpaged.padding import bucket
+from jaxpaged.sampler import SamplingRow, build_sampling_metadata, compute_logprobs, sample
+from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.scheduler import PromptLogprobs, RunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +59,20 @@ _jit_scatter = jax.jit(scatter_blocks, donate_argnums=(0,))
 _jit_copy = jax.jit(copy_blocks, donate_argnums=(0,))
 
 
+def row_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a request: distinct per index, independent of batching."""
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+
+
 class ModelRunner:
-    def __init__(self, model: Llama, *, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 dtype=None):
+    def __init__(self, model: Llama, *, num_blocks: int, block_size: int, max_model_len: int,
+                 eos_ids: tuple[int, ...] = (), num_host_blocks: int = 0, dtype=None):
         cfg = model.cfg
+        self.vocab_size = cfg.vocab_size
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.eos_ids = eos_ids
+        self.time_batch = self.time_device = 0.0  # seconds spent building batches / in the device step
         self.graphdef, self.params = nnx.split(model)
         self.dtype = dtype or model.dtype
         self.mesh = model.mesh
@@ -77,9 +92,10 @@ class ModelRunner:
 
     # ---- block moves ----------------------------------------------------------------
 
-    def apply_block_ops(self, ops: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    def apply_block_ops(self, ops: list[tuple[str, int, int]], *, defer: bool = True) -> list[tuple[int, int]]:
         """Apply swap-outs and swap-ins now, in order; return the copy-on-write pairs left
-        for the step (those after the last swap), copying earlier ones in place here."""
+        for the step (those after the last swap; none if not ``defer``), copying earlier
+        ones in place here."""
         pending: list[tuple[int, int]] = []
         i = 0
         while i < len(ops):
@@ -89,7 +105,7 @@ class ModelRunner:
                 j += 1
             pairs = np.array([(a, b) for _, a, b in ops[i:j]], np.int32)
             if kind == "copy":
-                if j == len(ops):
+                if j == len(ops) and defer:
                     pending = [tuple(p) for p in pairs.tolist()]
                 else:
                     self.kv = _jit_copy(self.kv, *_padded_pairs(pairs))
@@ -126,7 +142,37 @@ class ModelRunner:
 
     # ---- the step -------------------------------------------------------------------
 
-    def execute(self, batch: Batch, sm, *, num_logprobs: int, num_prompt_logprobs: int, use_penalties: bool):
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step: block moves, the model, sampling. Returns numpy results."""
+        t0 = time.perf_counter()
+        copies = self.apply_block_ops(out.block_ops, defer=bool(out.scheduled))
+        if not out.scheduled:
+            return RunnerOutput(None)
+        batch = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+                            copies=copies)
+        rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
+                            r.seq.request.prompt_token_ids, r.seq.output_token_ids) for r in batch.rows]
+        sm, num_logprobs, use_penalties = build_sampling_metadata(rows, len(batch.logits_indices), self.vocab_size,
+                                                                  self.eos_ids)
+        # Beam search ranks each beam's top 2 * width continuations.
+        beam_k = max((2 * r.seq.request.params.beam_width for r in batch.rows if r.seq.request.is_beam_search),
+                     default=0)
+        num_logprobs = min(bucket(max(num_logprobs, beam_k)) if max(num_logprobs, beam_k) else 0, self.vocab_size)
+        num_prompt_lp = max((r.seq.request.params.prompt_logprobs for r in batch.prompt_lp_rows), default=0)
+        num_prompt_lp = min(bucket(num_prompt_lp), MAX_LOGPROBS) if num_prompt_lp else 0
+        t1 = time.perf_counter()
+        sampled, prompt_lp = self._run(batch, sm, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_lp,
+                                       use_penalties=use_penalties)
+        self.time_batch += t1 - t0
+        self.time_device += time.perf_counter() - t1
+        chunks, i = [], 0
+        for group in batch.prompt_lp_rows:
+            lps, ranks, top_ids, top_lps = (x[i:i + group.count] for x in prompt_lp)
+            chunks.append(PromptLogprobs(group.seq.request, group.start, lps, ranks, top_ids, top_lps))
+            i += group.count
+        return RunnerOutput(sampled, chunks)
+
+    def _run(self, batch: Batch, sm, *, num_logprobs: int, num_prompt_logprobs: int, use_penalties: bool):
         """Run one step; returns (SamplerOutput, prompt logprobs or None) as numpy."""
         md = AttentionMetadata(
             positions=batch.positions, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,

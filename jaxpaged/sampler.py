@@ -66,6 +66,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
+from jaxpaged.padding import bucket
 from jaxpaged.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
 
@@ -408,13 +409,9 @@ class SamplingRow(NamedTuple):
     output_token_ids: Sequence[int]
 
 
-def _bucket(n: int) -> int:
-    """0, or the next power of two >= n: keeps the number of compiled shapes small."""
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
 def _padded_ids(lists: Sequence[Sequence[int]], num_rows: int) -> np.ndarray:
-    out = np.full((num_rows, _bucket(max(map(len, lists), default=0))), -1, np.int32)
+    width = max(map(len, lists), default=0)
+    out = np.full((num_rows, bucket(width) if width else 0), -1, np.int32)
     for i, ids in enumerate(lists):
         if len(ids):
             out[i, : len(ids)] = ids
@@ -484,11 +481,11 @@ def build_sampling_metadata(
         bias_values[i, : len(b)] = list(b.values())
 
     max_top_k = int(top_k.max(initial=0))
-    top_k_bound = min(vocab_size, _bucket(max_top_k))
+    top_k_bound = min(vocab_size, bucket(max_top_k)) if max_top_k else 0
     windowed = 0 < top_k_bound <= MAX_TOP_K_WINDOW  # a top_k row's nucleus lies in the window
     top_p_search = bool(np.any((top_p < 1) & ((top_k == 0) | (not windowed))))
-    num_logprobs = min(_bucket(max((r.params.logprobs or 0 for r in rows), default=0)),
-                       MAX_LOGPROBS, vocab_size)
+    num_logprobs = max((r.params.logprobs or 0 for r in rows), default=0)
+    num_logprobs = min(bucket(num_logprobs), MAX_LOGPROBS, vocab_size) if num_logprobs else 0
     sm = SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,

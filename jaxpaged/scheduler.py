@@ -1,32 +1,66 @@
-"""Iteration-level scheduling (continuous batching) with chunked prefill and preemption.
+"""Iteration-level scheduling (continuous batching) and everything that changes after a step.
 
-Every step, in this order, under a token budget (``max_num_batched_tokens``) and a
-sequence limit (``max_num_seqs``):
+``schedule()`` decides a step under a token budget (``max_num_batched_tokens``) and a
+sequence limit (``max_num_seqs``); ``update_from_output()`` applies what the step sampled.
+The engine only moves data between the two and the runner. No jax here.
 
-1. Running requests, oldest first, get their next tokens: one per decoding sequence,
-   or the next chunk of a prompt still being prefilled. A request that needs a block
-   when none is free preempts the most recently admitted request (possibly itself).
-2. Swapped-out requests come back when their blocks fit (swap mode).
-3. Waiting requests are admitted first come, first served, while blocks (above the
-   watermark) and budget remain. Nothing new is admitted in a step that preempted or
-   while swapped requests wait, so preempted work is not starved (no thrashing).
+Deciding a step, in this order:
 
-Preemption frees every block of a request: ``"recompute"`` puts it back at the head of
-the waiting queue (its prompt and output are prefilled again later); ``"swap"`` first
-copies its blocks to the host pool, and falls back to recompute when that is full.
+1. Running requests, oldest first, get their next tokens: one per decoding sequence, or
+   the next chunk of a prompt (or of a recomputation). The sequences of one request
+   advance to a common position, so samples and beams always sample in the same step.
+   A request that needs a block (or, with the contiguous allocator, a region for its
+   forks) when none is free preempts the newest running request, possibly itself.
+2. In a step that preempted nothing, preempted and waiting requests resume oldest first:
+   a swapped request when its blocks (and this step's chunk) fit, a waiting one when it
+   can be admitted above the watermark. The first that does not fit stops the queue.
 
-A request is the unit of scheduling and preemption, so the samples of ``n > 1`` and the
-beams of beam search always advance together. No jax here.
+Preemption frees every block of a request: ``"recompute"`` sends it back to the waiting
+queue (its prompt and output are prefilled again later, and hit the prefix cache if it
+is on); ``"swap"`` first copies its blocks to the host pool, and falls back to recompute
+when that is full.
+
+Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
+
+- **FCFS.** Requests run in arrival order: every running request arrived before every
+  waiting or preempted one. So a request is only preempted for an older one, and the
+  oldest running request is never preempted.
+- **Progress.** Every step either advances the oldest running request, or finishes a
+  request. A request that cannot fit the pool even alone (its sequences outgrew it, or
+  after a recompute its samples no longer share their blocks) is finished with
+  ``finish_reason="length"`` and a ``finish_detail`` saying why, and a warning is logged;
+  the engine goes on. Nothing raises out of a step because of traffic.
+- **Bounded preemption.** Since only older requests preempt it, a request is preempted
+  at most once per block (or region) its elders allocate while it runs; once it is the
+  oldest, never again.
+- **Sequence limit.** ``max_num_seqs`` counts every sequence, forks included: a request
+  holds ``n`` (or ``beam_width``) sequence slots from admission until it forks, then one
+  per live sample (every beam slot while beams run).
+
+After a step (``update_from_output``): mark the scheduled tokens computed, record prompt
+logprobs, append each sampled token, apply the stop rule (:func:`~jaxpaged.stopping.check_stop`),
+fork ``n > 1`` samples at their first token and beams as the beam plan says (fork copies
+travel in the next step's block ops), free finished sequences and retire finished
+requests.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import logging
 import time
+from typing import Any, Protocol
 
-from jaxpaged.block_manager import BlockManager
+import numpy as np
+
+from jaxpaged.allocator import KVAllocator
+from jaxpaged.outputs import Logprob, PositionLogprobs
 from jaxpaged.sequence import Request, RequestStatus, Sequence
+from jaxpaged.stopping import check_stop
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -34,175 +68,251 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed_tokens)
     num_new_tokens: int
+    num_samples: int = 0  # rows this chunk samples: 0 (mid-prompt), 1, or n (the first token of n > 1)
+    block_table: list[int] = dataclasses.field(default_factory=list)  # set once the step is decided
+    num_slots: int = 0  # positions with a reserved slot, set with the block table
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the end of the sequence, so the step samples its next token."""
-        return self.start + self.num_new_tokens == len(self.seq.token_ids)
+        return self.num_samples > 0
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     # Block moves to apply before the model runs, in this order (a block freed by one may
-    # be the target of a later one): ("copy", src, dst) copy-on-write on the device,
-    # ("out", device, host) swap-out, ("in", host, device) swap-in.
+    # be the target of a later one): ("copy", src, dst) copy-on-write or fork copies on the
+    # device, ("out", device, host) swap-out, ("in", host, device) swap-in.
     block_ops: list[tuple[str, int, int]]
     preempted: list[Request]
+    finished: list[Request]  # finished while scheduling (cannot fit the pool even alone)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
+
+class SampledRows(Protocol):
+    """What a step sampled, one row per ``num_samples`` of each scheduled sequence, in order."""
+
+    tokens: np.ndarray  # [R] int
+    logprobs: np.ndarray  # [R] float: of the sampled token, under the raw distribution
+    ranks: np.ndarray  # [R] int: 1 = the most likely token
+    top_ids: np.ndarray  # [R, K] int: the K most likely tokens, best first
+    top_logprobs: np.ndarray  # [R, K] float
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+    """Logprobs of prompt positions ``start + 1 .. start + count`` of one request's prompt."""
+
+    request: Request
+    start: int
+    logprobs: np.ndarray  # [count]
+    ranks: np.ndarray  # [count]
+    top_ids: np.ndarray  # [count, K]
+    top_logprobs: np.ndarray  # [count, K]
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    sampled: SampledRows | None  # None when nothing sampled
+    prompt_logprobs: list[PromptLogprobs] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute"):
+    def __init__(self, kv: KVAllocator, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 eos_ids: tuple[int, ...] = (), preemption_mode: str = "recompute"):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={preemption_mode!r}; choose 'recompute' or 'swap'")
-        if preemption_mode == "swap" and not block_manager.num_host_blocks:
+        if preemption_mode == "swap" and not kv.num_host_blocks:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (bytes of host memory for KV blocks)")
-        self.bm = block_manager
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
         self.preemption_mode = preemption_mode
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self.swapped: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in arrival order
+        self.swapped: collections.deque[Request] = collections.deque()  # in arrival order
+        self._arrivals = itertools.count()
+        self._pending_ops: list[tuple[str, int, int]] = []  # fork copies for the next step
+        self._forks = 0  # forks this step's samples will make (contiguous regions to keep)
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0  # total over the run
 
-    # ---- queues ---------------------------------------------------------------------
+    # ---- requests -------------------------------------------------------------------
+
+    def check_request(self, num_prompt_tokens: int, params) -> None:
+        """Raise ``ValueError`` for a request that could never run here, before it is queued."""
+        name, num_seqs = ("beam_width", params.beam_width) if params.use_beam_search else ("n", params.n)
+        # All of a request's sequences advance in the same step: each needs a slot and a token.
+        for limit, value in (("max_num_seqs", self.max_num_seqs), ("max_num_batched_tokens",
+                                                                   self.max_num_batched_tokens)):
+            if num_seqs > value:
+                raise ValueError(f"the request runs {name}={num_seqs} sequences; {limit} is {value}")
+        self.kv.check_fits(num_prompt_tokens, num_seqs)
 
     def add(self, req: Request) -> None:
-        self.bm.check_fits(len(req.prompt_token_ids))  # never-fits is an error now, not a wait
+        self.check_request(len(req.prompt_token_ids), req.params)
+        req.arrival_index = next(self._arrivals)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def free_seq(self, seq: Sequence) -> None:
-        if seq.seq_id in self.bm:
-            self.bm.free(seq.seq_id)
+    def abort(self, req: Request) -> None:
+        """Retire a request now; its blocks are freed and it produces no further output."""
+        for s in req.live_seqs():
+            s.finish_reason = "abort"
+        req.aborted = True
+        self._finish(req)
 
-    def finish(self, req: Request) -> None:
-        """Retire a request (finished or aborted) and free its blocks at once."""
-        for q in (self.running, self.waiting, self.swapped):
-            if req in q:
-                q.remove(req)
-        for s in req.seqs:
-            self.free_seq(s)
-        req.status = RequestStatus.FINISHED
-
-    # ---- the decision ---------------------------------------------------------------
+    # ---- deciding a step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([], [], [])
+        out = SchedulerOutput([], self._pending_ops, [], [])
+        self._pending_ops, self._forks = [], 0
         budget = self.max_num_batched_tokens
-        num_seqs = 0
-
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            need = sum(min(s.num_uncomputed_tokens, 1) for s in req.live_seqs())
-            if budget < need:
+            if budget < len(req.live_seqs()):
                 break  # budget spent; later requests wait one step (they keep their blocks)
-            planned = self._plan(req, budget)
-            if not self._reserve(req, planned, out):
-                continue  # req itself was preempted; running[i] is the next one
-            for seq, start, n in planned:
-                out.scheduled.append(ScheduledSeq(seq, start, n))
-                budget -= n
-            num_seqs += len(planned)
+            plan = self._plan(req, budget)
+            if not self._reserve(req, plan, out):
+                continue  # req was preempted or finished; running[i] is the next one
+            budget -= self._add(out, req, plan)
             i += 1
-
-        if self.preemption_mode == "swap" and not out.preempted:
-            while self.swapped and budget > 0:
-                req = self.swapped[0]
-                seqs = req.live_seqs()
-                if num_seqs + len(seqs) > self.max_num_seqs or budget < len(seqs):
-                    break
-                if not self._can_swap_in(seqs):
-                    break
-                self.swapped.popleft()
-                for s in seqs:
-                    out.block_ops += [("in", h, d) for h, d in self.bm.swap_in(s.seq_id)]
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                planned = self._plan(req, budget)
-                if not self._reserve(req, planned, out):
-                    break  # it was preempted again: wait for memory instead of looping
-                for seq, start, n in planned:
-                    out.scheduled.append(ScheduledSeq(seq, start, n))
-                    budget -= n
-                num_seqs += len(planned)
-
-        if not out.preempted and not self.swapped:
-            while self.waiting and budget > 0:
-                req = self.waiting[0]
-                seqs = req.live_seqs()
-                if num_seqs + len(seqs) > self.max_num_seqs:
-                    break
-                admitted = self._admit(req, budget)
-                if admitted is None:
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = time.monotonic()
-                self.running.append(req)
-                for seq, start, n in admitted:
-                    out.scheduled.append(ScheduledSeq(seq, start, n))
-                    budget -= n
-                num_seqs += len(admitted)
+        if not out.preempted:
+            self._resume(out, budget)
+        for s in out.scheduled:
+            s.block_table = self.kv.block_table(s.seq.seq_id)
+            s.num_slots = self.kv.num_tokens(s.seq.seq_id)
         return out
 
     def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int, int]]:
-        """Next tokens of each live sequence: a decode token or a prefill chunk in the budget."""
-        plan = []
-        for s in req.live_seqs():
-            n = min(s.num_uncomputed_tokens, budget)
-            if n <= 0:
-                break
-            plan.append((s, s.num_computed_tokens, n))
-            budget -= n
-        return plan
+        """Next tokens of each live sequence, so that all of them reach a common end position."""
+        live = req.live_seqs()
+        end = min(len(live[0].token_ids), min(s.num_computed_tokens for s in live) + budget // len(live))
+        return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live if end > s.num_computed_tokens]
 
-    def _reserve(self, req: Request, planned, out: SchedulerOutput) -> bool:
-        """Reserve slots for ``planned``, preempting newer requests; False if ``req`` itself was."""
-        for seq, start, n in planned:
-            extra = start + n - self.bm.num_tokens(seq.seq_id)
-            while extra > 0 and not self.bm.can_append_slots(seq.seq_id, extra):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
+    def _num_forks(self, req: Request, plan) -> int:
+        samples = any(start + n == len(seq.token_ids) for seq, start, n in plan)
+        return req.max_live_seqs - len(req.live_seqs()) if samples else 0
+
+    def _add(self, out: SchedulerOutput, req: Request, plan) -> int:
+        fan_out = req.params.n if not req.is_beam_search and req.seqs[0].num_output_tokens == 0 else 1
+        for seq, start, n in plan:
+            out.scheduled.append(ScheduledSeq(seq, start, n, fan_out if start + n == len(seq.token_ids) else 0))
+        return sum(n for _, _, n in plan)
+
+    def _reserve(self, req: Request, plan, out: SchedulerOutput) -> bool:
+        """Reserve slots (and fork room) for ``plan``, preempting newer requests; False if
+        ``req`` itself was preempted or finished instead."""
+        for seq, start, n in plan:
+            extra = start + n - self.kv.num_tokens(seq.seq_id)
+            while extra > 0 and not self.kv.can_append_slots(seq.seq_id, extra):
+                if not self._make_room(req, out):
                     return False
             if extra > 0:
-                out.block_ops += [("copy", a, b) for a, b in self.bm.append_slots(seq.seq_id, extra)]
+                out.block_ops += [("copy", a, b) for a, b in self.kv.append_slots(seq.seq_id, extra)]
+        forks = self._num_forks(req, plan)
+        while forks and not self.kv.can_fork(self._forks + forks):
+            if not self._make_room(req, out):
+                return False
+        self._forks += forks
         return True
 
-    def _admit(self, req: Request, budget: int) -> list[tuple[Sequence, int, int]] | None:
-        """Allocate every live sequence of a waiting request, or none of them."""
-        salt = self._salt(req)
-        done: list[tuple[Sequence, int, int]] = []
+    def _make_room(self, req: Request, out: SchedulerOutput) -> bool:
+        """Preempt the newest running request. When that is ``req`` alone, nothing else holds
+        memory: it can never fit, so finish it. False when ``req`` is gone either way."""
+        victim = self.running[-1]
+        if victim is req and len(self.running) == 1:
+            live = req.live_seqs()
+            self._finish_for_capacity(req, out, f"its {len(live)} sequence(s) of {len(live[0].token_ids)} tokens "
+                                                f"outgrew the KV pool ({self.kv.num_usable_blocks} blocks of "
+                                                f"{self.kv.block_size} slots) with no other request running")
+            return False
+        self._preempt(victim, out)
+        return victim is not req
+
+    def _resume(self, out: SchedulerOutput, budget: int) -> None:
+        """Bring back swapped and waiting requests, oldest first, while they fit."""
+        num_seqs = sum(r.max_live_seqs for r in self.running)
+        while self.swapped or self.waiting:
+            swapped = bool(self.swapped) and (not self.waiting
+                                              or self.swapped[0].arrival_index < self.waiting[0].arrival_index)
+            req = self.swapped[0] if swapped else self.waiting[0]
+            if num_seqs + req.max_live_seqs > self.max_num_seqs or budget < len(req.live_seqs()):
+                return
+            plan = self._swap_in(req, budget, out) if swapped else self._admit(req, budget, out)
+            if plan is None:
+                if self.running:
+                    return  # wait for memory
+                if swapped:  # alone and its copies still do not fit: recompute it instead
+                    self.swapped.popleft()
+                    self._free_for_recompute(req)
+                continue  # (a waiting request that fits nowhere was finished by _admit)
+            (self.swapped if swapped else self.waiting).popleft()
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            budget -= self._add(out, req, plan)
+            num_seqs += req.max_live_seqs
+
+    def _swap_in(self, req: Request, budget: int, out: SchedulerOutput):
+        """Swap ``req`` in with its next chunk's slots, or None if that does not fit now."""
+        plan = self._plan(req, budget)
+        ends = {seq.seq_id: start + n for seq, start, n in plan}
+        bs = self.kv.block_size
+        need = sum(-(-max(self.kv.num_tokens(s.seq_id), ends.get(s.seq_id, 0)) // bs) for s in req.live_seqs())
+        reserve = self.kv.watermark_blocks if self.running else 0
+        forks = self._num_forks(req, plan)
+        if self.kv.num_allocatable_blocks - need < reserve or not self.kv.can_fork(self._forks + forks):
+            return None
         for s in req.live_seqs():
-            if budget <= 0 or not self.bm.can_allocate(s.token_ids, cache_salt=salt, num_new_tokens=budget):
-                for seq, _, _ in done:
-                    self.bm.free(seq.seq_id)
-                    seq.num_computed_tokens = 0
-                return None
-            cached = self.bm.allocate(s.seq_id, s.token_ids, cache_salt=salt, num_new_tokens=budget)
-            s.num_computed_tokens = cached
-            if s.index == 0 and s.num_output_tokens == 0:
-                req.num_cached_tokens = cached
-            n = self.bm.num_tokens(s.seq_id) - cached
-            done.append((s, cached, n))
-            budget -= n
-        return done
+            out.block_ops += [("in", h, d) for h, d in self.kv.swap_in(s.seq_id)]
+        for seq, start, n in plan:
+            extra = start + n - self.kv.num_tokens(seq.seq_id)
+            if extra > 0:
+                out.block_ops += [("copy", a, b) for a, b in self.kv.append_slots(seq.seq_id, extra)]
+        self._forks += forks
+        return plan
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput):
+        """Allocate every live sequence of a waiting request and plan its first chunk, or None."""
+        live = req.live_seqs()
+        try:
+            self.kv.check_fits(len(live[0].token_ids), len(live))
+        except ValueError as e:  # grown past the pool while it ran, then preempted
+            self._finish_for_capacity(req, out, str(e))
+            return None
+        salt = self._salt(req)
+        allocated = []
+        for s in live:
+            if not self.kv.can_allocate(s.token_ids, cache_salt=salt, num_new_tokens=budget // len(live)):
+                break
+            s.num_computed_tokens = self.kv.allocate(s.seq_id, s.token_ids, cache_salt=salt,
+                                                     num_new_tokens=budget // len(live))
+            allocated.append(s)
+        plan = self._plan(req, budget) if len(allocated) == len(live) else None
+        forks = self._num_forks(req, plan) if plan is not None else 0
+        if plan is None or not self.kv.can_fork(self._forks + forks):
+            for s in allocated:
+                self.kv.free(s.seq_id)
+                s.num_computed_tokens = 0
+            if not self.running:  # nothing else holds memory: it will never fit
+                self._finish_for_capacity(req, out, f"its {len(live)} sequence(s) of {len(live[0].token_ids)} "
+                                                    f"tokens do not fit the KV pool ({self.kv.num_usable_blocks} "
+                                                    f"blocks of {self.kv.block_size} slots) even alone")
+            return None
+        self._forks += forks
+        if live[0].num_output_tokens == 0:
+            req.num_cached_tokens = live[0].num_computed_tokens
+        return plan
 
     @staticmethod
     def _salt(req: Request) -> str | None:
@@ -213,33 +323,158 @@ class Scheduler:
         return req.params.cache_salt
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        # Victims are the newest running request, so appendleft keeps both queues in arrival order.
         self.running.remove(req)
         self.num_preemptions += 1
         req.metrics.num_preemptions += 1
         out.preempted.append(req)
         seqs = req.live_seqs()
         out.scheduled = [s for s in out.scheduled if s.seq.request is not req]
-        if self.preemption_mode == "swap" and self._fits_host(seqs):
+        if self.preemption_mode == "swap" and sum(len(self.kv.block_table(s.seq_id)) for s in seqs) \
+                <= self.kv.num_free_host_blocks:
             for s in seqs:
-                pairs = self.bm.swap_out(s.seq_id)
+                pairs = self.kv.swap_out(s.seq_id)
                 self.num_swapped_out_blocks += len(pairs)
                 out.block_ops += [("out", d, h) for d, h in pairs]
             req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
+            self.swapped.appendleft(req)
             return
-        for s in seqs:
-            self.bm.free(s.seq_id)
+        self._free_for_recompute(req)
+
+    def _free_for_recompute(self, req: Request) -> None:
+        for s in req.live_seqs():
+            self.kv.free(s.seq_id)
             s.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    def _can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """All of a request's sequences together fit (checking each alone is not enough)."""
-        bs = self.bm.block_size
-        need = sum(-(-self.bm.num_tokens(s.seq_id) // bs) for s in seqs)
-        reserve = self.bm.watermark_blocks if self.running else 0
-        return self.bm.num_allocatable_blocks - need >= reserve
+    def _finish_for_capacity(self, req: Request, out: SchedulerOutput, why: str) -> None:
+        req.finish_detail = f"finished early: {why}"
+        log.warning("request %s %s", req.request_id, req.finish_detail)
+        live = req.live_seqs()
+        for s in live:
+            s.finish_reason = "length"
+        if req.beam is not None:  # the beams so far compete with the finished hypotheses
+            for s in live:
+                req.beam.add(list(s.token_ids), s.cumulative_logprob, max(s.num_output_tokens, 1),
+                             s.detok.text if s.detok is not None else "", list(s.logprobs), "length", None)
+        out.preempted = [r for r in out.preempted if r is not req]
+        out.finished.append(req)
+        self._finish(req)
 
-    def _fits_host(self, seqs: list[Sequence]) -> bool:
-        need = sum(len(self.bm.block_table(s.seq_id)) for s in seqs)
-        return need <= self.bm.num_free_host_blocks
+    def _finish(self, req: Request) -> None:
+        """Retire a request: out of every queue, every block freed."""
+        for q in (self.running, self.waiting, self.swapped):
+            if req in q:
+                q.remove(req)
+        for s in req.seqs:
+            if s.seq_id in self.kv:
+                self.kv.free(s.seq_id)
+        req.status = RequestStatus.FINISHED
+        req.metrics.finished_time = time.monotonic()
+
+    # ---- applying a step's results --------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Apply what the step computed and sampled; returns the requests it changed."""
+        touched = {r.request_id: r for r in [*out.preempted, *out.finished]}
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.kv.mark_computed(s.seq.seq_id, s.seq.num_computed_tokens, s.seq.token_ids)
+            touched[s.seq.request.request_id] = s.seq.request
+        for chunk in result.prompt_logprobs:
+            self._record_prompt_logprobs(chunk)
+        row = 0
+        now = time.monotonic()
+        for req, entries in itertools.groupby(out.scheduled, key=lambda s: s.seq.request):
+            rows = []
+            for s in entries:
+                rows += [(s.seq, row + k) for k in range(s.num_samples)]
+                row += s.num_samples
+            if not rows:
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.is_beam_search:
+                self._step_beams(req, rows, result.sampled)
+                continue
+            if len(rows) > 1 and rows[0][0] is rows[1][0]:  # the first token of n > 1: fork the samples
+                parent = rows[0][0]
+                req.seqs = [parent] + [self._fork(parent, k) for k in range(1, len(rows))]
+                rows = [(seq, i) for seq, (_, i) in zip(req.seqs, rows)]
+            for seq, i in rows:
+                self._append(seq, int(result.sampled.tokens[i]), float(result.sampled.logprobs[i]),
+                             self._entry(req, result.sampled, i, int(result.sampled.tokens[i]),
+                                         int(result.sampled.ranks[i]), float(result.sampled.logprobs[i])))
+                if seq.finished:
+                    self.kv.free(seq.seq_id)
+            if not req.live_seqs():
+                self._finish(req)
+        return list(touched.values())
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        child = parent.fork(index)
+        self._pending_ops += [("copy", a, b) for a, b in self.kv.fork(parent.seq_id, child.seq_id)]
+        return child
+
+    def _append(self, seq: Sequence, token: int, logprob: float, entry: PositionLogprobs | None) -> None:
+        stop_string = seq.append(token, logprob, entry)
+        stop = check_stop(seq.request.params, token, num_output_tokens=seq.num_output_tokens,
+                          num_tokens=len(seq.token_ids), stop_string=stop_string, eos_ids=self.eos_ids,
+                          max_model_len=self.max_model_len)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = stop
+
+    @staticmethod
+    def _entry(req: Request, sampled: SampledRows, row: int, token: int, rank: int, logprob: float):
+        """The logprobs recorded for one position: the token's own and the top ``params.logprobs``."""
+        k = req.params.logprobs
+        if k is None:
+            return None
+        entry = {token: Logprob(logprob, rank)}
+        for r in range(k):
+            entry.setdefault(int(sampled.top_ids[row, r]), Logprob(float(sampled.top_logprobs[row, r]), r + 1))
+        return entry
+
+    def _step_beams(self, req: Request, rows: list[tuple[Sequence, int]], sampled: SampledRows) -> None:
+        beam, k = req.beam, 2 * req.beam.width
+        cands = beam.top_candidates([(seq, sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())
+                                     for seq, i in rows])
+        row_of = {id(seq): i for seq, i in rows}
+        for c in cands:
+            i = row_of[id(c.parent)]
+            rank = sampled.top_ids[i, :k].tolist().index(c.token) + 1
+            c.entry = self._entry(req, sampled, i, c.token, rank, c.logprob)
+            detok = c.parent.detok.fork() if c.parent.detok is not None else None
+            stop_string = detok.add(c.token) if detok is not None else None
+            c.text = detok.text if detok is not None else ""
+            c.finish = check_stop(req.params, c.token, num_output_tokens=c.parent.num_output_tokens + 1,
+                                  num_tokens=len(c.parent.token_ids) + 1, stop_string=stop_string,
+                                  eos_ids=self.eos_ids, max_model_len=self.max_model_len)
+        plan = beam.plan(cands, [seq for seq, _ in rows])
+        if plan.done:
+            for seq, _ in rows:
+                seq.finish_reason = "stop"
+            self._finish(req)
+            return
+        for seq in plan.drop:  # first, so a contiguous region is free for the forks
+            seq.finish_reason = "stop"
+            self.kv.free(seq.seq_id)
+        forks = [(self._fork(c.parent, 0), c) for c in plan.fork]  # from the parents as they are
+        beams = [(c.parent, c) for c in plan.keep] + forks
+        for j, (seq, c) in enumerate(beams):
+            seq.index = j
+            seq.append(c.token, c.logprob, c.entry)
+        req.seqs = [seq for seq, _ in beams]
+
+    def _record_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        req = chunk.request
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * req.num_prompt_tokens
+        k = req.params.prompt_logprobs
+        for j in range(len(chunk.logprobs)):
+            target = req.prompt_token_ids[chunk.start + j + 1]
+            entry: dict[int, Any] = {target: Logprob(float(chunk.logprobs[j]), int(chunk.ranks[j]))}
+            for r in range(k):
+                entry.setdefault(int(chunk.top_ids[j, r]), Logprob(float(chunk.top_logprobs[j, r]), r + 1))
+            req.prompt_logprobs[chunk.start + j + 1] = entry

@@ -10,6 +10,7 @@ from jaxpaged.outputs import FinishReason, PositionLogprobs, RequestMetrics
 from jaxpaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jaxpaged.beam_search import BeamSearch
     from jaxpaged.detokenizer import Detokenizer
 
 
@@ -27,7 +28,8 @@ class Sequence:
     """One stream of tokens: the prompt plus one sample's (or beam's) output.
 
     ``num_computed_tokens`` counts the positions whose K/V the device has written; the
-    scheduler computes the rest. Preemption by recompute resets it to 0.
+    scheduler computes the rest. Preemption by recompute resets it to 0. Only the
+    scheduler changes a sequence after it is created.
     """
 
     def __init__(self, request: Request, index: int, token_ids: list[int]):
@@ -62,6 +64,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def append(self, token: int, logprob: float, entry: PositionLogprobs | None) -> str | None:
+        """Append a sampled token; returns the stop string it completed, if any."""
+        self.token_ids.append(token)
+        self.cumulative_logprob += logprob
+        if entry is not None:
+            self.logprobs.append(entry)
+        return self.detok.add(token) if self.detok is not None else None
+
     def fork(self, index: int) -> Sequence:
         child = Sequence(self.request, index, list(self.token_ids))
         child.num_computed_tokens = self.num_computed_tokens
@@ -75,7 +85,7 @@ class Request:
     """A prompt with its sampling parameters and its live and finished sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float, seed: int):
+                 params: SamplingParams, arrival_time: float, seed: int, beam: BeamSearch | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -83,22 +93,26 @@ class Request:
         self.params = params
         self.seed = seed  # drawn by the engine when params.seed is None
         self.status = RequestStatus.WAITING
+        self.arrival_index = -1  # the scheduler's admission order (FCFS priority)
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         # One sequence until the prompt is computed; then n samples or beam_width beams.
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
-        self.finished_seqs: list[Sequence] = []  # beam search: finished hypotheses
+        self.beam = beam  # beam search state: finished hypotheses; None when sampling
+        self.finish_detail: str | None = None  # why the engine (not the model) ended it
         self.aborted = False
 
     @property
     def is_beam_search(self) -> bool:
-        return self.params.use_beam_search
+        return self.beam is not None
 
     @property
-    def prefilling(self) -> bool:
-        """Still computing the prompt (so a single sequence)."""
-        return self.seqs[0].num_output_tokens == 0 and not self.seqs[0].finished
+    def max_live_seqs(self) -> int:
+        """Sequences this request may run at once: its beams, or its samples once forked."""
+        if self.is_beam_search:
+            return self.params.beam_width
+        return self.params.n if self.seqs[0].num_output_tokens == 0 else len(self.live_seqs())
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]

@@ -8,8 +8,8 @@ Prints three markdown tables:
 2. the cost of every manager operation, per pool size: it must stay flat from 1k to 1M
    blocks (only ``check_invariants`` is O(num_blocks), by design);
 3. a replay of synthetic requests (shared system prompts, n = 2 sampling for some,
-   preemption by swap or recompute) through the paged manager and the contiguous
-   baseline at the same memory budget.
+   preemption by swap or recompute) through the engine core (no model) over the paged
+   manager and the contiguous baseline at the same memory budget.
 
 A script, not a test: timings depend on the machine and its load.
 """
@@ -23,7 +23,12 @@ import os
 import platform
 import time
 
+import sys
+from pathlib import Path
+
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.block_pool import BlockKey, BlockPool
@@ -180,64 +185,32 @@ def make_trace(num_requests: int, mean_output: int, rng: np.random.Generator):
     return trace
 
 
-def replay(bm, trace, *, max_num_seqs: int = 256) -> dict[str, float]:
-    """A plain scheduler: swap in, admit, decode one token per sequence, preempt the newest."""
-    rng = np.random.default_rng(3)
-    waiting = [(("r", i), list(p), n_out, n) for i, (p, n_out, n) in enumerate(trace)]
-    waiting.reverse()  # pop() from the end = FIFO
-    running, swapped = [], []  # [sid, tokens, remaining]
-    steps = generated = preempt_swap = preempt_recompute = 0
+def replay(bm, trace, *, max_num_seqs: int = 256, max_model_len: int = 2048) -> dict[str, float]:
+    """The trace through the engine core (its scheduler, preemption, forks and stop rule) over
+    ``bm``, with a runner that runs no model: the host side of serving it."""
+    from bench_common import ConstantRunner, greedy_params
+
+    from jaxpaged.engine_core import EngineCore
+    from jaxpaged.sampling_params import SamplingParams
+    from jaxpaged.scheduler import Scheduler
+    from jaxpaged.sequence import Request
+
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=max_model_len,
+                      preemption_mode="swap" if bm.num_host_blocks else "recompute")
+    core = EngineCore(sched, ConstantRunner())
+    for i, (prompt, n_out, n) in enumerate(trace):
+        params = greedy_params(n_out) if n == 1 else SamplingParams(n=n, seed=i, max_tokens=n_out, ignore_eos=True)
+        core.add(Request(f"r{i}", None, list(prompt), params, 0.0, i))
+    steps = generated = 0
     batch_sum = util_sum = util_n = 0.0
     t0 = time.perf_counter()
-    while waiting or running or swapped:
-        while swapped and bm.can_swap_in(swapped[-1][0]):
-            s = swapped.pop()
-            bm.swap_in(s[0])
-            running.append(s)
-        while waiting and len(running) < max_num_seqs and bm.can_allocate(waiting[-1][1]):
-            sid, toks, remaining, n = waiting.pop()
-            bm.allocate(sid, toks)
-            bm.mark_computed(sid, len(toks), toks)  # the prefill step
-            for k in range(n):
-                child = sid if k == 0 else sid + (k,)
-                if k and not bm.can_fork(sid):  # contiguous: no region for the sample yet
-                    waiting.append((child, list(toks), remaining, 1))
-                    continue
-                if k:
-                    bm.fork(sid, child)
-                running.append([child, toks + [int(rng.integers(32000))], remaining - 1])  # prefill samples one
-                generated += 1
+    while core.has_unfinished():
+        core.step()
         steps += 1
-        batch_sum += len(running)
-        still = []
-        for i, s in enumerate(running):
-            sid, toks, remaining = s
-            if remaining <= 0:
-                bm.free(sid)
-                continue
-            while not bm.can_append_slots(sid, 1):  # preempt the newest other sequence, else itself
-                victim = running.pop() if len(running) > i + 1 else s
-                if bm.can_swap_out(victim[0]):
-                    bm.swap_out(victim[0])
-                    swapped.append(victim)
-                    preempt_swap += 1
-                else:
-                    bm.free(victim[0])
-                    waiting.append((victim[0], victim[1], victim[2], 1))  # recompute: its tokens are the prompt
-                    preempt_recompute += 1
-                if victim is s:
-                    break
-            else:
-                bm.append_slots(sid, 1)
-                bm.mark_computed(sid, len(toks), toks)
-                toks.append(int(rng.integers(32000)))
-                s[2] -= 1
-                generated += 1
-                still.append(s)
-        running = still
+        batch_sum += len(core.last.scheduled)
+        generated += sum(s.num_samples for s in core.last.scheduled)
         if steps % 64 == 0:
-            st = bm.stats()
-            util_sum += st.utilization
+            util_sum += bm.stats().utilization
             util_n += 1
     wall = time.perf_counter() - t0
     st, pc = bm.stats(), bm.prefix_cache_stats
@@ -245,8 +218,8 @@ def replay(bm, trace, *, max_num_seqs: int = 256) -> dict[str, float]:
     assert st.num_used_blocks == 0
     return {"steps": steps, "tokens": generated, "wall_s": wall, "us_per_token": 1e6 * wall / generated,
             "mean_batch": batch_sum / steps, "peak_used": st.peak_used_blocks, "utilization": util_sum / max(util_n, 1),
-            "hit_rate": pc.hit_rate, "evictions": pc.evictions, "swaps": preempt_swap,
-            "recomputes": preempt_recompute}
+            "hit_rate": pc.hit_rate, "evictions": pc.evictions, "preemptions": sched.num_preemptions,
+            "swapped_out_blocks": sched.num_swapped_out_blocks}
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -301,8 +274,8 @@ def main() -> None:
         "paged, no prefix cache": BlockManager(num_blocks, BS, max_model_len=max_len, enable_prefix_caching=False),
         "contiguous (max_model_len each)": ContiguousBlockManager(num_blocks, BS, max_model_len=max_len),
     }
-    cols = ["steps", "tokens", "mean_batch", "peak_used", "utilization", "hit_rate", "evictions", "swaps",
-            "recomputes", "wall_s", "us_per_token"]
+    cols = ["steps", "tokens", "mean_batch", "peak_used", "utilization", "hit_rate", "evictions", "preemptions",
+            "swapped_out_blocks", "wall_s", "us_per_token"]
     print("| manager | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     for name, bm in runs.items():
         r = replay(bm, trace)

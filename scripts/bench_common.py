@@ -10,8 +10,9 @@
 - ``CompileCounter``: XLA compilations (count and seconds), from ``jax.monitoring``.
 - ``table`` / ``save_json`` / ``new_figure``: output.
 
-Nothing here edits the engine: the step recorder wraps ``llm.scheduler.schedule`` of one
-engine instance to see which chunks each step ran.
+Nothing here edits the engine: the step recorder reads the engine core's last decision
+(``llm.core.last``) to see which chunks each step ran, and ``simulate`` drives the same
+engine core with a runner that runs no model.
 """
 
 from __future__ import annotations
@@ -542,38 +543,20 @@ class RunResult:
                 **self.kv_at_peak(), **self.phase_split(), "engine": self.engine_stats}
 
 
-class _Recorder:
-    """Wraps one engine's ``scheduler.schedule`` to remember the chunks of the last decision."""
-
-    def __init__(self, llm):
-        self.last: list[tuple[int, int, bool]] = []
-        sched = llm.scheduler
-        original = sched.schedule
-
-        def schedule():
-            out = original()
-            self.last = [(s.start, s.num_new_tokens, s.samples) for s in out.scheduled]
-            return out
-
-        sched.schedule = schedule
+def _chunks(llm) -> list[tuple[int, int, bool]]:
+    """(start, num_new_tokens, samples) of each sequence the engine's last step ran."""
+    out = llm.core.last
+    return [] if out is None else [(s.start, s.num_new_tokens, s.samples) for s in out.scheduled]
 
 
 _TIMER_KEYS = ("num_steps", "num_preemptions", "time_schedule_s", "time_batch_s", "time_device_s",
                "time_postprocess_s", "num_compiled_shapes", "prefix_cache_hits", "prefix_cache_queries")
 
 
-def _recorder(llm) -> _Recorder:
-    rec = getattr(llm, "_bench_recorder", None)
-    if rec is None:
-        rec = llm._bench_recorder = _Recorder(llm)
-    return rec
-
-
 def _drive(llm, workload: Workload, params_for, label: str, *, arrivals: np.ndarray | None,
            progress: bool) -> RunResult:
     from tqdm.auto import tqdm
 
-    rec = _recorder(llm)
     counter = CompileCounter.get()
     c0, cs0 = counter.snapshot()
     shapes0 = len(llm.runner.compiled_shapes)
@@ -612,7 +595,7 @@ def _drive(llm, workload: Workload, params_for, label: str, *, arrivals: np.ndar
             outs = llm.step()
             te = time.perf_counter()
             m = llm.bm.stats()
-            steps.append(StepRecord(ts, te - ts, rec.last, m.num_used_blocks, m.tokens_stored, m.slots_allocated,
+            steps.append(StepRecord(ts, te - ts, _chunks(llm), m.num_used_blocks, m.tokens_stored, m.slots_allocated,
                                     len(llm.scheduler.running)))
             for o in outs:
                 if o.request_id not in token_times:
@@ -671,52 +654,48 @@ class SimResult:
                 "recomputed_fraction": self.scheduled_tokens / self.ideal_tokens - 1 if self.ideal_tokens else 0.0}
 
 
-def simulate(bm, workload: Workload, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 512,
-             preemption_mode: str = "recompute") -> SimResult:
-    """Run the engine's own scheduler over a block manager with no model: exact memory and concurrency.
+class ConstantRunner:
+    """An engine-core runner that runs no model: every sampled row gets the same ordinary token.
 
-    Each step does what ``LLM.step`` does to the host state: mark the scheduled tokens
-    computed, append one (dummy) token to every sequence whose chunk reached its end, and
-    finish requests at ``max_tokens``. Token values only matter for prefix-cache hits
-    (random ids never hit) and EOS (ignored), so memory and concurrency are the engine's.
+    Token values only matter for prefix-cache hits (random ids never hit) and stops (EOS
+    ignored), so memory, concurrency and preemption are exactly the engine's.
     """
-    from jaxpaged.sampling_params import SamplingParams
+
+    def execute(self, out):
+        from jaxpaged.scheduler import RunnerOutput
+        from jaxpaged.sampler import SamplerOutput
+
+        rows = sum(s.num_samples for s in out.scheduled)
+        return RunnerOutput(SamplerOutput(np.full(rows, FIRST_ORDINARY_TOKEN), np.zeros(rows), np.ones(rows, int),
+                                          np.full((rows, 1), FIRST_ORDINARY_TOKEN), np.zeros((rows, 1))))
+
+
+def simulate(bm, workload: Workload, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 512,
+             preemption_mode: str = "recompute", max_model_len: int = 1 << 20) -> SimResult:
+    """Run the engine core (its scheduler, stop rule and all) over a block manager with no
+    model (``ConstantRunner``): exact memory and concurrency, at host speed."""
+    from jaxpaged.engine_core import EngineCore
     from jaxpaged.scheduler import Scheduler
     from jaxpaged.sequence import Request
 
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      preemption_mode=preemption_mode)
+    core = EngineCore(Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=bm.max_model_len or max_model_len, preemption_mode=preemption_mode),
+                      ConstantRunner())
     for i, (p, m) in enumerate(zip(workload.prompts, workload.max_tokens)):
-        sched.add(Request(f"sim{i}", None, list(p), SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0),
-                          0.0, i))
+        core.add(Request(f"sim{i}", None, list(p), greedy_params(m), 0.0, i))
     res = SimResult(0, 0, [], [], [], [], 0, bm.block_size,
                     ideal_tokens=sum(map(len, workload.prompts)) + sum(workload.max_tokens) - len(workload))
-    while sched.has_unfinished():
-        out = sched.schedule()
-        if out.empty:
-            if out.preempted:
-                continue
-            raise RuntimeError("simulation made no progress: a request does not fit the pool")
-        for s in out.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            bm.mark_computed(s.seq.seq_id, s.seq.num_computed_tokens, s.seq.token_ids)
-            res.scheduled_tokens += s.num_new_tokens
-        for s in out.scheduled:
-            if s.samples:
-                s.seq.token_ids.append(FIRST_ORDINARY_TOKEN)
-                if s.seq.num_output_tokens >= s.seq.request.params.max_tokens:
-                    s.seq.finish_reason = "length"
-                    sched.free_seq(s.seq)
-                    if not s.seq.request.live_seqs():
-                        sched.finish(s.seq.request)
+    while core.has_unfinished():
+        core.step()
+        res.scheduled_tokens += core.last.num_batched_tokens
         m = bm.stats()
         res.steps += 1
         res.used_blocks.append(m.num_used_blocks)
         res.tokens_stored.append(m.tokens_stored)
         res.slots_allocated.append(m.slots_allocated)
-        res.running.append(len(sched.running))
+        res.running.append(len(core.scheduler.running))
         res.num_blocks = m.num_blocks
-    res.preemptions = sched.num_preemptions
+    res.preemptions = core.scheduler.num_preemptions
     return res
 
 

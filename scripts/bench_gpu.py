@@ -29,7 +29,6 @@ host dispatch overlaps device work; the median of 5 such rounds after a warm-up.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import os
@@ -233,13 +232,14 @@ def engine_table(quick, backends=("pallas", "xla")):
                   max_num_batched_tokens=4096, enable_prefix_caching=False, kv_cache_memory="8GiB")
         llm.generate(prompts[:8], sp, use_tqdm=False)  # compile the common shapes
         llm.generate(prompts, sp, use_tqdm=False)
-        s0 = llm.num_steps
-        t0 = dataclasses.astuple(llm.timers)
+        keys = ("time_schedule_s", "time_batch_s", "time_device_s", "time_postprocess_s")
+        s0 = llm.stats()
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t
-        steps = llm.num_steps - s0
-        phases = " / ".join(f"{(b - a) / steps * 1e3:.2f}" for a, b in zip(t0, dataclasses.astuple(llm.timers)))
+        s1 = llm.stats()
+        steps = s1["num_steps"] - s0["num_steps"]
+        phases = " / ".join(f"{(s1[k] - s0[k]) / steps * 1e3:.2f}" for k in keys)
         toks = [o.outputs[0].token_ids for o in outs]
         if ref_tokens is None:
             ref_tokens = toks

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.batch import NULL_BLOCK, bucket, build_batch
+from jaxpaged.batch import build_batch
 from jaxpaged.block_manager import BlockManager
+from jaxpaged.padding import NULL_BLOCK, bucket
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledSeq, SchedulerOutput
 from jaxpaged.sequence import Request
@@ -56,8 +57,9 @@ def test_arrays_match_the_oracle(seqs, holes, seed):
         seq = req.seqs[0]
         bm.allocate(seq.seq_id, seq.token_ids, num_new_tokens=computed + new)
         seq.num_computed_tokens = computed
-        sched.append(ScheduledSeq(seq, computed, new))
-    b = build_batch(SchedulerOutput(sched, [], []), bm, max_blocks_per_seq=64)
+        samples = int(computed + new == n)
+        sched.append(ScheduledSeq(seq, computed, new, samples, bm.block_table(seq.seq_id), bm.num_tokens(seq.seq_id)))
+    b = build_batch(SchedulerOutput(sched, [], [], []), block_size=BS, max_blocks_per_seq=64)
 
     num_tokens = sum(new for *_, new in seqs)
     S = bucket(len(seqs))
@@ -86,4 +88,5 @@ def test_positions_past_the_reserved_slots_are_an_error(reserved):
     bm.allocate(seq.seq_id, seq.token_ids, num_new_tokens=reserved)
     n = reserved + 1
     with pytest.raises(IndexError, match=rf"positions \[0, {n}\) of sequence {seq.seq_id!r}; it has {reserved} slots"):
-        build_batch(SchedulerOutput([ScheduledSeq(seq, 0, n)], [], []), bm, max_blocks_per_seq=8)
+        s = ScheduledSeq(seq, 0, n, 0, bm.block_table(seq.seq_id), bm.num_tokens(seq.seq_id))
+        build_batch(SchedulerOutput([s], [], [], []), block_size=BS, max_blocks_per_seq=8)

@@ -379,6 +379,14 @@ def test_request_that_can_never_fit_is_rejected_with_the_numbers():
     bm.check_fits(31)
     with pytest.raises(ValueError, match="prompt has 32 tokens"):
         bm.check_fits(32)  # at submission, before any scheduling
+    # n sequences share the prompt's full blocks and need one block each for what follows.
+    bm.check_fits(28, num_seqs=1)
+    bm.check_fits(23, num_seqs=3)  # 5 shared + 3 = 8 blocks
+    with pytest.raises(ValueError, match="prompt has 24 tokens; with one generated token in 3 sequences it needs "
+                                         "9 blocks of 4 slots, but the pool has 8 usable blocks"):
+        bm.check_fits(24, num_seqs=3)
+    with pytest.raises(ValueError, match="3 sequences need 3 regions of 32 slots; the pool has 2"):
+        ContiguousBlockManager(17, BS, max_model_len=32).check_fits(4, num_seqs=3)
     bm = BlockManager(64, BS, max_model_len=20)
     with pytest.raises(ValueError, match="prompt has 20 tokens; with one generated token that exceeds "
                                          "max_model_len=20"):
@@ -523,9 +531,9 @@ def test_contiguous_baseline_reserves_max_model_len_and_wastes_it():
 def test_contiguous_fork_copies_and_never_swaps():
     cb = ContiguousBlockManager(17, BS, max_model_len=32)  # two regions
     computed(cb, "a", list(range(6)))
-    assert cb.can_fork("a")
+    assert cb.can_fork(1) and not cb.can_fork(2)
     assert cb.fork("a", "b") == [(1, 9), (2, 10)]
-    assert not cb.can_fork("a") and not cb.can_allocate([1])
+    assert not cb.can_fork(1) and not cb.can_allocate([1])
     assert cb.append_slots("a", 20) == [] and cb.slot_mapping("a", 24, 26).tolist() == [28, 29]
     assert not cb.can_swap_out("a")
     with pytest.raises(SwapSpaceFull, match="recompute"):

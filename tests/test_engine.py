@@ -121,7 +121,7 @@ def test_fork_shares_blocks(tiny_engine_model):
     while llm.has_unfinished_requests():
         llm.step()
     assert_no_leak(llm)
-    assert rid not in llm._requests
+    assert rid not in llm.core.requests
 
 
 def test_seeded_sampling_independent_of_batch(tiny_engine_model, reference):

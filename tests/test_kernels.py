@@ -183,7 +183,7 @@ class TestPallasKernels:
         out = ragged_paged_attention(*args, scale=scale_for(case["head_dim"]), interpret=self.INTERPRET)
         assert_matches(out, ref, case["dtype"])
 
-    @pytest.mark.parametrize("block_q", [4, 32])  # 4 * next_pow2(4) = 16 rows: the GPU minimum
+    @pytest.mark.parametrize("block_q", [4, 32])  # 4 * next_power_of_2(4) = 16 rows: the GPU minimum
     def test_ragged_block_q(self, block_q):
         case = dict(block_size=16, ratio=4, head_dim=64, dtype=jnp.float32)
         args, positions = ragged_case(block_q, **case)

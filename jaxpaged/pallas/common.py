@@ -21,12 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from jaxpaged.padding import next_power_of_2  # noqa: F401  (re-exported for the kernels)
+
 # Logit of a masked key: finite, so that a fully masked row never computes inf - inf.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def dot_precision(dtype) -> jax.lax.Precision | None:

@@ -159,7 +159,7 @@ def paged_decode_attention(
       pages_per_chunk: blocks per loop step (keys per step = this * block_size, a power of
         two >= 16); default: 64 keys.
       block_h: rows of the query-head tile (the GQA group padded); default
-        ``max(16, next_pow2(group))``.
+        ``max(16, next_power_of_2(group))``.
       interpret: run the kernel in the Pallas interpreter; default: on CPU.
       debug: range-check the block table at run time (it is checked at call time when
         it is a concrete array).
@@ -183,7 +183,7 @@ def _paged_decode_attention(q, k_pool, v_pool, layer, block_tables, context_lens
     W = block_tables.shape[1]
     G = Hq // KVH
     interpret = common.default_interpret() if interpret is None else interpret
-    block_h = max(16, common.next_pow2(G)) if block_h is None else block_h
+    block_h = max(16, common.next_power_of_2(G)) if block_h is None else block_h
     ppc = max(1, 64 // BS) if pages_per_chunk is None else pages_per_chunk
     if block_h < G:
         raise ValueError(f"{what}: block_h={block_h} is smaller than the query group of {G} heads")

@@ -104,7 +104,7 @@ def ragged_paged_attention(
         tokens past ``query_start_loc[S]`` are padding and get zeros.
       k_pool, v_pool: the full stacked pool (this step's K/V already written).
       block_tables, context_lens: as for decode; ``context_lens`` counts this step's tokens.
-      block_q: query tokens per program (``block_q * next_pow2(group)`` >= 16 on GPU).
+      block_q: query tokens per program (``block_q * next_power_of_2(group)`` >= 16 on GPU).
       pages_per_chunk: blocks per loop step; default: 64 keys.
       interpret: run in the Pallas interpreter; default: on CPU.
       debug: range-check the block table at run time (it is checked at call time when
@@ -128,7 +128,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens
     L, NB, KVH, BS, _ = k_pool.shape
     S, W = block_tables.shape
     G = Hq // KVH
-    Gp = common.next_pow2(G)
+    Gp = common.next_power_of_2(G)
     interpret = common.default_interpret() if interpret is None else interpret
     ppc = max(1, 64 // BS) if pages_per_chunk is None else pages_per_chunk
     if not interpret:

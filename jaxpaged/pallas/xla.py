@@ -266,7 +266,7 @@ def xla_ragged_paged_attention(
                               decode=False, what="xla_ragged_paged_attention")
     if block_q is None:
         mean = -(-q.shape[0] // max(block_tables.shape[0], 1))
-        block_q = min(32, max(8, common.next_pow2(mean)))
+        block_q = min(32, max(8, common.next_power_of_2(mean)))
     return _xla_ragged(q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc,
                        scale=scale, block_q=block_q, pages_per_chunk=pages_per_chunk, debug=debug)
 

@@ -1,0 +1,106 @@
+"""Input processing: a prompt and its sampling parameters become a validated ``Request``.
+
+Everything a request can get wrong is caught here, before it is queued and before any
+device work: the prompt's form and token ids, its length against ``max_model_len`` and
+the pool, ``logit_bias`` ids, more sequences (``n``, ``beam_width``) than one step can
+run, and a request id that is already live. No jax here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Container
+from typing import Any
+
+import numpy as np
+
+from jaxpaged.beam_search import BeamSearch
+from jaxpaged.detokenizer import Detokenizer
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sequence import Request
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts; hands out request ids and per-request seeds.
+
+    Args:
+      tokenizer: a Hugging Face tokenizer, or None (prompts must then be token ids).
+      vocab_size: the model's vocabulary size.
+      max_model_len: most tokens (prompt + output) per sequence.
+      check_request: ``(num_prompt_tokens, params)`` raising ``ValueError`` if the engine
+        could never run such a request (the scheduler's ``check_request``).
+      seed: seeds the seeds of requests that do not set one.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
+                 check_request: Callable[[int, SamplingParams], None], seed: int = 0):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.check_request = check_request
+        self._rng = np.random.default_rng(seed)
+        self._ids = itertools.count()
+
+    def to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt: a str, a list of ids, or a dict with
+        ``"prompt"`` or ``"prompt_token_ids"``."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token ids")
+            return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError("prompt is empty (no token ids)")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            return None, ids
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
+                live: Container[str]) -> Request:
+        """A validated request, not queued yet.
+
+        Args:
+          live: ids in use; a user id among them is refused, an automatic id skips them.
+
+        Raises:
+          ValueError, TypeError: naming what is wrong with the request.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.to_token_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(the prompt plus at least one generated token must fit)")
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        self.check_request(len(ids), params)
+        if request_id is not None:
+            request_id = str(request_id)
+            if request_id in live:
+                raise ValueError(f"request id {request_id!r} is already in use")
+        else:
+            request_id = next(i for i in map(str, self._ids) if i not in live)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 1 << 63))
+        beam = BeamSearch(params.beam_width, params.length_penalty) if params.use_beam_search else None
+        req = Request(request_id, text, ids, params, time.monotonic(), seed, beam)
+        if self.tokenizer is not None:
+            req.seqs[0].detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                            stop=params.stop)
+        return req

@@ -1,0 +1,94 @@
+"""A runner with no model that still checks paging: the engine core's stand-in for a device.
+
+Its "KV pool" is a host array holding, for each slot, the (token, position) written there.
+A step applies the scheduler's block moves (copy-on-write and fork copies, swap-out and
+swap-in through a host pool), builds the real padded batch (``build_batch``), writes every
+scheduled token into its slot, then reads each sampling row's whole context back through
+its block table. Any slot that does not hold the token the sequence has at that position
+(a wrong block table, a lost copy-on-write, a bad swap, a prefix-cache hit on other
+tokens) fails at once. The next token is a hash of the context read back (plus the row's
+seed for sampled rows), so a request's tokens depend only on its context, as with a
+model, and must equal those it gets alone. Beam search gets deterministic top-k logprobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from jaxpaged.batch import build_batch
+from jaxpaged.runner import row_seed
+from jaxpaged.sampler import SamplerOutput
+from jaxpaged.scheduler import RunnerOutput, SchedulerOutput
+
+TOP_K = 8
+
+
+def _hash(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+class OracleRunner:
+    def __init__(self, *, num_blocks: int, block_size: int, num_host_blocks: int, max_model_len: int,
+                 vocab_size: int, eos_ids: tuple[int, ...]):
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.pool = np.full((num_blocks, block_size, 2), -1, np.int64)  # (token, position) per slot
+        self.host = np.full((max(num_host_blocks, 1), block_size, 2), -1, np.int64)
+        self.num_steps = 0
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for kind, a, b in out.block_ops:
+            if kind == "copy":
+                self.pool[b] = self.pool[a]
+            elif kind == "out":
+                self.host[b] = self.pool[a]
+            else:
+                self.pool[b] = self.host[a]
+        if not out.scheduled:
+            return RunnerOutput(None)
+        self.num_steps += 1
+        batch = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
+        n = batch.num_tokens
+        flat = self.pool.reshape(-1, 2)
+        flat[batch.slot_mapping[:n], 0] = batch.tokens[:n]
+        flat[batch.slot_mapping[:n], 1] = batch.positions[:n]
+        rows = len(batch.rows)
+        tokens, logprobs = np.zeros(rows, np.int64), np.zeros(rows)
+        top_ids, top_lps = np.zeros((rows, TOP_K), np.int64), np.zeros((rows, TOP_K))
+        seq_row = {id(s.seq): i for i, s in enumerate(out.scheduled)}
+        for r, row in enumerate(batch.rows):
+            seq, i = row.seq, seq_row[id(row.seq)]
+            ctx = int(batch.context_lens[i])
+            table = batch.block_tables[i]
+            got = self.pool[table[np.arange(ctx) // self.block_size], np.arange(ctx) % self.block_size]
+            want = np.asarray(seq.token_ids[:ctx])
+            bad = np.flatnonzero((got[:, 0] != want) | (got[:, 1] != np.arange(ctx)))
+            assert not bad.size, (f"sequence {seq.seq_id} of request {seq.request.request_id}: position {bad[0]} "
+                                  f"reads (token, position) {tuple(got[bad[0]])}, wants ({want[bad[0]]}, {bad[0]})")
+            top_ids[r], top_lps[r] = self._distribution(tuple(want.tolist()))
+            p = seq.request.params
+            banned = set(self.eos_ids) | set(p.stop_token_ids) if seq.num_output_tokens < p.min_tokens else set()
+            allowed = [k for k in range(TOP_K) if top_ids[r, k] not in banned]
+            if p.temperature == 0:
+                k = allowed[0]
+            else:  # seeded: the draw depends on the seed, the sample's index and the output position
+                k = allowed[_hash(row_seed(seq.request.seed, row.index), seq.num_output_tokens) % len(allowed)]
+            tokens[r], logprobs[r] = top_ids[r, k], top_lps[r, k]
+        sampled = SamplerOutput(tokens, logprobs, np.asarray([list(t).index(x) + 1 for t, x in zip(top_ids, tokens)]),
+                                top_ids, top_lps)
+        return RunnerOutput(sampled)
+
+    def _distribution(self, context: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """TOP_K distinct token ids with descending logprobs, a function of the context only."""
+        ids, h = [], _hash(context)
+        while len(ids) < TOP_K:
+            t = h % (self.vocab_size - 3) + 3
+            if t not in ids:
+                ids.append(t)
+            h = _hash(h)
+        lps = -np.cumsum(0.1 + (np.asarray([_hash(context, k) for k in range(TOP_K)]) % 1000) / 500.0)
+        return np.asarray(ids), lps

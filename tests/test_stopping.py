@@ -1,0 +1,32 @@
+"""The stop rule, one pure function: which token ends a sequence, and why."""
+
+import pytest
+
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.stopping import check_stop
+
+EOS = (2,)
+
+
+def stop(params, token, *, out=1, total=10, string=None, max_model_len=64):
+    return check_stop(params, token, num_output_tokens=out, num_tokens=total, stop_string=string, eos_ids=EOS,
+                      max_model_len=max_model_len)
+
+
+@pytest.mark.parametrize("params, token, kw, want", [
+    (SamplingParams(), 5, {}, None),
+    (SamplingParams(), 2, {}, ("stop", None)),  # EOS
+    (SamplingParams(ignore_eos=True), 2, {}, None),
+    (SamplingParams(stop_token_ids=[7]), 7, {}, ("stop", 7)),
+    (SamplingParams(stop=["ab"]), 5, dict(string="ab"), ("stop", "ab")),
+    (SamplingParams(max_tokens=3), 5, dict(out=3), ("length", None)),
+    (SamplingParams(max_tokens=None), 5, dict(total=64), ("length", None)),  # max_model_len
+    (SamplingParams(max_tokens=3), 2, dict(out=3), ("stop", None)),  # a stop beats the length at the same token
+    # Before min_tokens nothing but the length stops it.
+    (SamplingParams(min_tokens=4, max_tokens=8, stop_token_ids=[7], stop=["ab"]), 7, dict(out=3, string="ab"), None),
+    (SamplingParams(min_tokens=4, max_tokens=8), 2, dict(out=3), None),
+    (SamplingParams(min_tokens=4, max_tokens=8, stop_token_ids=[7]), 7, dict(out=4), ("stop", 7)),
+    (SamplingParams(min_tokens=4, max_tokens=4), 5, dict(out=4), ("length", None)),
+])
+def test_stop_rule(params, token, kw, want):
+    assert stop(params, token, **kw) == want
