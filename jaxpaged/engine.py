@@ -21,7 +21,7 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.engine_args import EngineArgs
 from jaxpaged.engine_core import EngineCore
-from jaxpaged.input_processor import InputProcessor, PromptType
+from jaxpaged.input_processor import InputProcessor, PromptType, pair_prompts
 from jaxpaged.kv_cache import kv_pool_bytes
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.output_processor import OutputProcessor
@@ -150,17 +150,8 @@ class LLM:
         """Generate completions for one or many prompts; outputs come back in input order."""
         from tqdm.auto import tqdm
 
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, Seq) and not isinstance(sampling_params, SamplingParams):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
-        for p, sp in zip(prompts, params):
+        for p, sp in pair_prompts(prompts, sampling_params):
             reqs.append(self.inputs.process(p, sp, None, self._live() | {r.request_id for r in reqs}))
         inbox: dict[str, Request] = {}
         for r in reqs:

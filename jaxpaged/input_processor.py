@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,19 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Request
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams
+                 | Sequence[SamplingParams] | None) -> list[tuple[PromptType, SamplingParams]]:
+    """One prompt or a list, with one ``SamplingParams`` for all or one each → pairs."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, SamplingParams):
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        return list(zip(prompts, sampling_params))
+    return [(p, sampling_params or SamplingParams()) for p in prompts]
 
 
 class InputProcessor:

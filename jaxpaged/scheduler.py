@@ -249,12 +249,14 @@ class Scheduler:
                 return
             plan = self._swap_in(req, budget, out) if swapped else self._admit(req, budget, out)
             if plan is None:
+                if req.finished:  # it can never fit: _admit finished it
+                    continue
                 if self.running:
                     return  # wait for memory
                 if swapped:  # alone and its copies still do not fit: recompute it instead
                     self.swapped.popleft()
                     self._free_for_recompute(req)
-                continue  # (a waiting request that fits nowhere was finished by _admit)
+                continue
             (self.swapped if swapped else self.waiting).popleft()
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
