@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -10,6 +11,16 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             max_position_embeddings=256)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Drop jax's compiled executables after each test module. Each XLA:CPU executable holds
+    ~50-100 memory mappings; a whole suite's worth passes the kernel's limit (vm.max_map_count,
+    65,530 here) and the next compilation aborts the process."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
 
 
 def make_tiny_hf(folder, *, tie: bool, llama3: bool, seed: int = 0):
