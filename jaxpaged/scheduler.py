@@ -56,7 +56,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxpaged.allocator import KVAllocator
-from jaxpaged.outputs import Logprob, PositionLogprobs
+from jaxpaged.outputs import Logprob
 from jaxpaged.sequence import Request, RequestStatus, Sequence
 from jaxpaged.stopping import check_stop
 
@@ -405,11 +405,7 @@ class Scheduler:
                 req.seqs = [parent] + [self._fork(parent, k) for k in range(1, len(rows))]
                 rows = [(seq, i) for seq, (_, i) in zip(req.seqs, rows)]
             for seq, i in rows:
-                self._append(seq, int(result.sampled.tokens[i]), float(result.sampled.logprobs[i]),
-                             self._entry(req, result.sampled, i, int(result.sampled.tokens[i]),
-                                         int(result.sampled.ranks[i]), float(result.sampled.logprobs[i])))
-                if seq.finished:
-                    self.kv.free(seq.seq_id)
+                self._append(seq, result.sampled, i)
             if not req.live_seqs():
                 self._finish(req)
         return list(touched.values())
@@ -419,13 +415,17 @@ class Scheduler:
         self._pending_ops += [("copy", a, b) for a, b in self.kv.fork(parent.seq_id, child.seq_id)]
         return child
 
-    def _append(self, seq: Sequence, token: int, logprob: float, entry: PositionLogprobs | None) -> None:
-        stop_string = seq.append(token, logprob, entry)
+    def _append(self, seq: Sequence, sampled: SampledRows, row: int) -> None:
+        """Append row ``row``'s token to ``seq``; apply the stop rule; free the sequence if it ended."""
+        token, logprob = int(sampled.tokens[row]), float(sampled.logprobs[row])
+        stop_string = seq.append(token, logprob, self._entry(seq.request, sampled, row, token, int(sampled.ranks[row]),
+                                                             logprob))
         stop = check_stop(seq.request.params, token, num_output_tokens=seq.num_output_tokens,
                           num_tokens=len(seq.token_ids), stop_string=stop_string, eos_ids=self.eos_ids,
                           max_model_len=self.max_model_len)
         if stop is not None:
             seq.finish_reason, seq.stop_reason = stop
+            self.kv.free(seq.seq_id)
 
     @staticmethod
     def _entry(req: Request, sampled: SampledRows, row: int, token: int, rank: int, logprob: float):
