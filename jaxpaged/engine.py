@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
+from collections import ChainMap
 from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,9 @@ class LLM:
 
     # ---- requests and the step ------------------------------------------------------
 
-    def _live(self) -> set[str]:
-        return self.core.requests.keys() | self._unclaimed.keys() | self._claimed.keys()
+    def _live(self) -> ChainMap:
+        """Ids in use: running, or finished with an output not yet delivered."""
+        return ChainMap(self.core.requests, self._unclaimed, self._claimed)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
                     request_id: str | None = None) -> str:
@@ -152,7 +154,7 @@ class LLM:
 
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
         for p, sp in pair_prompts(prompts, sampling_params):
-            reqs.append(self.inputs.process(p, sp, None, self._live() | {r.request_id for r in reqs}))
+            reqs.append(self.inputs.process(p, sp, None, self._live()))  # auto ids: distinct among themselves
         inbox: dict[str, Request] = {}
         for r in reqs:
             self.core.add(r)
