@@ -37,16 +37,18 @@ def assert_idle(llm):
     llm.bm.check_invariants()
 
 
-def test_request_that_outgrows_the_pool_alone_is_finished_not_the_engine(tiny_engine_model):
+def test_request_that_outgrows_the_pool_alone_is_finished_not_the_engine(tiny_engine_model, caplog):
     """Before: it preempted itself, and its readmission raised 'prompt has 17 tokens ... the pool has
     4 usable blocks' out of step(), killing every other request."""
     llm = make(tiny_engine_model, num_blocks=5)  # 4 usable blocks of 4 slots
     big = llm.add_request(list(range(100, 110)), GREEDY.replace(max_tokens=20))
     small = llm.add_request([5, 6], GREEDY.replace(max_tokens=3))
-    outs = drain(llm)
+    with caplog.at_level("WARNING", logger="jaxpaged.scheduler"):
+        outs = drain(llm)
     out = outs[big].outputs[0]
     assert outs[big].finished and out.finish_reason == "length"
-    assert "KV" in out.finish_detail and "blocks" in out.finish_detail
+    assert "KV pool (4 blocks of 4 slots)" in out.finish_detail
+    assert [r.getMessage() for r in caplog.records] == [f"request {big} {out.finish_detail}"]
     # Cut when its 16 slots are full: 10 prompt positions + 6 generated ones computed, and the
     # token sampled from the last; those 7 are the ones it makes alone.
     assert len(out.token_ids) == 7
