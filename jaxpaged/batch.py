@@ -2,13 +2,13 @@
 
 Every axis is padded to a power of two (with a floor), so the number of distinct step
 shapes, and so of compilations, is bounded by the product of a few short bucket lists:
-tokens ``T``, sequences ``S``, block-table width ``W``, sampling rows ``R``, prompt
-logprob rows ``P`` and copy pairs ``C``. A decode-only batch uses ``T == S``.
+tokens ``T``, sequences ``S``, block-table width ``W``, sampling rows ``R`` and prompt
+logprob rows ``P``. A decode-only batch uses ``T == S``.
 
 Padding conventions (see ``attention.AttentionMetadata``): padding tokens write into the
 null block and belong to no sequence; padding sequences have zero query and context
-length and a block table of null blocks; padding copy pairs copy the null block onto
-itself; padding sampling rows read token 0's logits and are dropped on the host.
+length and a block table of null blocks; padding sampling rows read token 0's logits and
+are dropped on the host.
 """
 
 from __future__ import annotations
@@ -50,21 +50,19 @@ class Batch:
     prompt_lp_indices: np.ndarray  # [P] int32 token index (P = 0 when nobody asked)
     prompt_lp_targets: np.ndarray  # [P] int32 the next prompt token, scored at that index
     prompt_lp_rows: list[PromptLogprobRows]
-    copies: np.ndarray  # [C, 2] int32 copy-on-write (src, dst) blocks applied in the step
     num_tokens: int  # real tokens, before padding
 
     @property
     def shape_key(self) -> tuple:
-        return (self.tokens.shape[0], self.block_tables.shape, self.logits_indices.shape[0],
-                self.prompt_lp_indices.shape[0], self.copies.shape[0], self.decode_only)
+        """What the model's compilation depends on: (T, (S, W), R + P, decode_only)."""
+        return (self.tokens.shape[0], self.block_tables.shape,
+                self.logits_indices.shape[0] + self.prompt_lp_indices.shape[0], self.decode_only)
 
 
-def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8,
-                copies: list | None = None) -> Batch:
+def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8) -> Batch:
     """Padded arrays for one step, from what the scheduler decided (block tables included).
 
-    ``copies`` are the copy-on-write pairs the step itself applies (the runner applies
-    swaps, which need the host, before the step).
+    The scheduler's block moves (``out.block_ops``) are the runner's to apply, before the step.
     """
     sched = out.scheduled
     num_seqs = len(sched)
@@ -135,10 +133,5 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     if num_lp:
         pi[:num_lp] = np.concatenate(lp_idx)
         pt[:num_lp] = np.concatenate(lp_tgt)
-    copies = copies or []
-    C = bucket(len(copies)) if copies else 0
-    cp = np.full((C, 2), NULL_BLOCK, np.int32)
-    if copies:
-        cp[:len(copies)] = copies
     return Batch(tokens, positions, slots, block_tables, context_lens, qsl, decode_only, li, rows,
-                 pi, pt, lp_rows, cp, num_tokens)
+                 pi, pt, lp_rows, num_tokens)

@@ -409,9 +409,14 @@ class SamplingRow(NamedTuple):
     output_token_ids: Sequence[int]
 
 
+# Id lists (banned, bias, penalty ids) are 0 wide when no row has any, else a power of two
+# >= this: a width is a compilation of the sampler, and 1-, 2- and 4-wide lists cost the same.
+MIN_ID_WIDTH = 8
+
+
 def _padded_ids(lists: Sequence[Sequence[int]], num_rows: int) -> np.ndarray:
     width = max(map(len, lists), default=0)
-    out = np.full((num_rows, bucket(width) if width else 0), -1, np.int32)
+    out = np.full((num_rows, bucket(width, MIN_ID_WIDTH) if width else 0), -1, np.int32)
     for i, ids in enumerate(lists):
         if len(ids):
             out[i, : len(ids)] = ids
@@ -426,9 +431,9 @@ def build_sampling_metadata(
 ) -> tuple[SamplingMetadata, int, bool]:
     """Padded numpy metadata for ``sample``, plus its static ``num_logprobs`` and ``use_penalties``.
 
-    Rows past ``len(rows)`` are padding (greedy, no options). Id-list widths and
-    ``num_logprobs`` are rounded up to powers of two (``num_logprobs`` capped at
-    ``MAX_LOGPROBS``): slice each row's own ``params.logprobs`` columns from the output.
+    Rows past ``len(rows)`` are padding (greedy, no options). Id-list widths (0 or at least
+    ``MIN_ID_WIDTH``) and ``num_logprobs`` are rounded up to powers of two (``num_logprobs``
+    capped at ``MAX_LOGPROBS``): slice each row's own ``params.logprobs`` columns from the output.
     """
     rows = [SamplingRow(*r) for r in rows]
     if len(rows) > padded_rows:

@@ -5,8 +5,11 @@ Two tiers over the same traffic (``traffic.py``) and the same public loop (``add
 ``step`` / ``abort``) of a real ``LLM``:
 
 - 2,400 requests whose steps run ``OracleRunner`` (no model, so no compilation): it checks
-  every context it reads back through the block tables, so paging bugs fail there;
-- 120 requests on the tiny random model itself, where tokens come from the real kernels.
+  every context it reads back through the block tables, so paging bugs fail there, and
+  draws any pool size;
+- 1,000 requests on the tiny random model itself, where tokens come from the real kernels
+  and sampler. Compilation is what this tier costs (~2 minutes, most of it compiling ~150
+  step shapes; the model and the sampler compile separately, so their shapes add up).
 
 After every step: the block manager's invariants (``debug_checks``), the sequence limit,
 and FCFS order (no request runs while an older one waits). At the end: every request that
@@ -14,12 +17,10 @@ was not aborted finished, no block (device or host) is in use, and no request wa
 preempted more often than the scheduler's bound allows.
 """
 
-import pytest
-
 import traffic
 
 ORACLE_ROUNDS, ORACLE_REQUESTS = 80, 30
-MODEL_ROUNDS, MODEL_REQUESTS = 6, 20
+MODEL_ROUNDS, MODEL_REQUESTS = 50, 20
 ROOMY = dict(block_size=16, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=256,
              max_model_len=traffic.MAX_MODEL_LEN, enable_prefix_caching=False)
 
@@ -105,18 +106,20 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
     return totals
 
 
-def test_random_traffic_1000_requests(tiny_engine_model):
+# The traffic really reached what it is meant to test.
+COVERAGE = ("aborted", "rejected", "preemptions", "swapped_blocks", "cut", "forks", "beams", "stopped_by_string",
+            "contiguous")
+
+
+def test_random_traffic_with_the_paging_oracle(tiny_engine_model):
     t = run_rounds(tiny_engine_model, oracle=True, rounds=range(ORACLE_ROUNDS), num_requests=ORACLE_REQUESTS)
     assert t["requests"] >= 1000
-    # The traffic really reached what it is meant to test.
-    for key in ("aborted", "rejected", "preemptions", "swapped_blocks", "cut", "forks", "beams",
-                "stopped_by_string", "contiguous"):
+    for key in COVERAGE:
         assert t[key] > 0, (key, t)
 
 
-@pytest.mark.parametrize("half", [0, 1])
-def test_random_traffic_on_the_tiny_model(tiny_engine_model, half):
-    t = run_rounds(tiny_engine_model, oracle=False, rounds=range(100 + half * MODEL_ROUNDS // 2,
-                                                                 100 + (half + 1) * MODEL_ROUNDS // 2),
-                   num_requests=MODEL_REQUESTS)
-    assert t["compared"] > 0 and t["preemptions"] > 0
+def test_random_traffic_1000_requests_on_the_tiny_model(tiny_engine_model):
+    t = run_rounds(tiny_engine_model, oracle=False, rounds=range(100, 100 + MODEL_ROUNDS), num_requests=MODEL_REQUESTS)
+    assert t["requests"] >= 1000 and t["compared"] >= 700
+    for key in COVERAGE:
+        assert t[key] > 0, (key, t)

@@ -434,14 +434,18 @@ def test_builder_pads_to_powers_of_two_and_buckets_statics():
             SamplingRow(SP(top_k=20, min_tokens=2, stop_token_ids=[7, 8]), 1, [1], [])]
     sm, k, pen = build_sampling_metadata(rows, 4, V, [EOS, 5])
     assert (k, pen) == (8, True)
-    assert sm.prompt_ids.shape == (4, 16) and sm.output_ids.shape == (4, 4)
-    assert sm.bias_ids.shape == sm.bias_values.shape == (4, 4)
-    np.testing.assert_array_equal(sm.banned_ids[1], [EOS, 5, 7, 8])
+    # Id lists: a power of two, at least MIN_ID_WIDTH (8) wide where some row has any.
+    assert sm.prompt_ids.shape == (4, 16) and sm.output_ids.shape == (4, 8)
+    assert sm.bias_ids.shape == sm.bias_values.shape == (4, 8)
+    np.testing.assert_array_equal(sm.banned_ids[1], [EOS, 5, 7, 8, -1, -1, -1, -1])
     assert (sm.banned_ids[[0, 2, 3]] == -1).all()
     assert sm.top_k_bound == 32
     np.testing.assert_array_equal(sm.output_pos, [3, 0, 0, 0])
     np.testing.assert_array_equal(sm.temperature[2:], 0.0)  # padding rows are greedy
     assert build_sampling_metadata([(SP(logprobs=MAX_LOGPROBS), 0, [], [])], 1, V, [])[1] == MAX_LOGPROBS
+    unused = build_sampling_metadata([(SP(), 0, [1, 2], [3])], 1, V, [EOS])[0]  # no lists: 0 wide, no cost
+    assert unused.prompt_ids.shape == unused.output_ids.shape == unused.bias_ids.shape == unused.banned_ids.shape \
+        == (1, 0)
     assert build_sampling_metadata([(SP(temperature=0), 0, [], [])], 1, V, [])[0].top_k_bound == 0
 
 

@@ -44,7 +44,7 @@ def engines(tiny):
     cache), both passes' outputs, and the abstract arguments of its first prefill and first
     decode step (for the HLO)."""
     out = {}
-    step = jaxpaged.runner._step
+    step = jaxpaged.runner._forward
     with pytest.MonkeyPatch.context() as mp:
         for tp in (1, 2, 4):
             calls = {}
@@ -53,7 +53,7 @@ def engines(tiny):
                 calls.setdefault(args[4].decode_only, (jax.tree.map(_abstract, args), kwargs))
                 return step(*args, **kwargs)
 
-            mp.setattr(jaxpaged.runner, "_step", recording_step)
+            mp.setattr(jaxpaged.runner, "_forward", recording_step)
             llm = LLM(tiny, tensor_parallel_size=tp, **ENGINE)
             passes = [llm.generate(PROMPTS, GREEDY, use_tqdm=False) for _ in range(2)]
             out[tp] = llm, passes, calls
@@ -215,7 +215,7 @@ def test_step_hlo_has_two_all_reduces_per_layer_and_no_pool_gather(engines, tp):
     pool_shard = (cfg.num_layers, NB, cfg.num_kv_heads // tp, BS, cfg.head_dim)
     for decode, what in ((False, "prefill"), (True, "decode")):
         args, kwargs = calls[decode]
-        hlo = jaxpaged.runner._step.lower(*args, **kwargs).compile().as_text()
+        hlo = jaxpaged.runner._forward.lower(*args, **kwargs).compile().as_text()
         ops = collectives(hlo)
         T = next(s[0] for k, s, _ in ops if k == "all-reduce")  # padded tokens of the step
         in_layers = sorted((k, s, "attention" if "/attention/" in n else "mlp" if "/mlp/" in n else n)
