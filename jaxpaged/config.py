@@ -100,3 +100,13 @@ class LlamaConfig:
             num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
             tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
         )
+
+    @classmethod
+    def llama3_8b(cls) -> LlamaConfig:
+        """Meta-Llama-3-8B's shapes (for benchmarks with random weights: same FLOPs and bytes)."""
+        return cls(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+            num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+            tie_word_embeddings=False, max_position_embeddings=8192, bos_token_id=128000,
+            eos_token_ids=(128001, 128009),
+        )

@@ -274,7 +274,7 @@ class ModelCost:
     context once (read), and the new tokens' K/V (written).
     """
 
-    num_params: int
+    num_params: int  # every weight a step multiplies with (an untied embedding is only looked up)
     head_params: int  # the LM head (the tied embedding for SmolLM2)
     weight_bytes: int
     kv_bytes_per_token: int  # K and V, all layers
@@ -289,13 +289,16 @@ class ModelCost:
         leaves = jax.tree.leaves(nnx.state(lm.model, nnx.Param))
         n = sum(int(np.prod(x.shape)) for x in leaves)
         itemsize = leaves[0].dtype.itemsize
-        return cls(num_params=n, head_params=cfg.vocab_size * cfg.hidden_size, weight_bytes=n * itemsize,
+        # An untied embedding is only looked up (a few rows a step): neither read whole nor multiplied.
+        lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+        return cls(num_params=n - lookup, head_params=cfg.vocab_size * cfg.hidden_size,
+                   weight_bytes=(n - lookup) * itemsize,
                    kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize,
                    attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
 
     @property
     def body_params(self) -> int:
-        # The embedding is a lookup, not a matmul; tied, it is also the LM head, counted there.
+        # num_params leaves out an untied embedding; a tied one is the LM head, counted there.
         return self.num_params - self.head_params
 
     def step(self, chunks: Sequence[tuple[int, int, bool]]) -> tuple[float, float]:

@@ -29,6 +29,7 @@ host dispatch overlaps device work; the median of 5 such rounds after a warm-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
@@ -250,22 +251,193 @@ def engine_table(quick, backends=("pallas", "xla")):
         del llm, model
 
 
+# vLLM on one H100, Llama-3-8B, ShareGPT, 1,000 prompts (vLLM PR #8335): output and total tok/s.
+VLLM_H100_LLAMA3_8B = (8382.0, 17514.0)
+H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM datasheet, dense bf16
+
+
+def device_random_params(cfg, dtype, seed: int = 0) -> dict:
+    """Random weights generated on the device in ``dtype`` (std 0.02, norms 1): an 8B model
+    never passes through the host."""
+    from jaxpaged.loader import _abstract_params
+
+    abstract = _abstract_params(cfg)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    key = jax.random.key(seed)
+    leaves = []
+    for i, (path, a) in enumerate(paths):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            leaves.append(jnp.ones(a.shape, dtype))
+        else:
+            leaves.append(jax.jit(lambda k, shape=a.shape: (0.02 * jax.random.normal(k, shape, jnp.float32))
+                                  .astype(dtype))(jax.random.fold_in(key, i)))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def trace_summary(folder: str, top: int = 12) -> dict:
+    """Where the device's time went in a ``jax.profiler`` trace: busy fraction of the window
+    and the kernels that took most of it (merged over streams)."""
+    import collections
+    import glob
+
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        return {}
+    pd = ProfileData.from_file(files[-1])
+    by_name: collections.Counter = collections.Counter()
+    spans = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():
+                continue
+            for ev in line.events:
+                by_name[ev.name] += ev.duration_ns
+                spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+    if not spans:
+        return {}
+    spans.sort()
+    busy, (cur_a, cur_b) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > cur_b:
+            busy += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    busy += cur_b - cur_a
+    window = spans[-1][1] - spans[0][0]
+    total = sum(by_name.values())
+    return {"window_ms": window / 1e6, "device_busy": busy / window,
+            "kernels": [(name[:70], ns / 1e6, ns / total) for name, ns in by_name.most_common(top)]}
+
+
+def llama8b_table(args, bw: float, rates: dict) -> dict:
+    """Offline throughput of a random model with Llama-3-8B's shapes (bf16) on a synthetic
+    ShareGPT-like workload, measured the way vLLM's benchmark_throughput does: every request
+    submitted at once, ``ignore_eos``, wall time from the first step to the last token."""
+    from bench_common import ModelCost, make_workload, run_offline
+
+    from jaxpaged import LLM
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.loader import LoadedModel, build_model
+
+    cfg = LlamaConfig.llama3_8b()
+    if args.quick:  # the code path on a small model (also runs on CPU)
+        cfg = dataclasses.replace(cfg, num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                                  num_kv_heads=2, head_dim=64, vocab_size=1024)
+    n_req = args.num_requests
+    t = time.perf_counter()
+    params = jax.block_until_ready(device_random_params(cfg, jnp.bfloat16))
+    model = build_model(cfg, params, dtype=jnp.bfloat16, attention_backend=args.backend)
+    del params
+    t_init = time.perf_counter() - t
+    max_len = 2048
+    wl = make_workload("sharegpt", n_req, vocab_size=cfg.vocab_size, max_model_len=max_len,
+                       prompt_len=215, output_len=200)
+    llm = LLM(LoadedModel(model, None, cfg, "random"), max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              kv_cache_memory=args.kv_cache_memory)
+    cost = ModelCost.from_loaded(LoadedModel(model, None, cfg, "random"))
+    runner, records = llm.runner, []
+    execute = runner.execute
+
+    def timed_execute(out):  # per step: the chunks and the device part of the step (run + fetch)
+        d0 = runner.time_device
+        res = execute(out)
+        records.append(([(s.start, s.num_new_tokens, s.num_samples > 0) for s in out.scheduled],
+                        runner.time_device - d0))
+        return res
+
+    runner.execute = timed_execute
+    summary = wl.summary()
+    print(f"\n## Llama-3-8B shapes (random weights, bf16, {args.backend}), {n_req} requests: "
+          f"{summary['prompt_tokens']} prompt + {summary['output_tokens']} output tokens "
+          f"(means {summary['prompt_len_mean']:.0f} / {summary['output_len_mean']:.0f}), ignore_eos, greedy; "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+          f"KV {args.kv_cache_memory} = {llm.bm.num_usable_blocks} blocks of {llm.block_size}; "
+          f"weights made on the device in {t_init:.1f} s", flush=True)
+    t = time.perf_counter()
+    warm = run_offline(llm, wl.with_fresh_ids(1, cfg.vocab_size), "warm-up", progress=False)
+    print(f"warm-up pass (compiles every step shape): {time.perf_counter() - t:.1f} s, "
+          f"{warm.compiles} compilations in {warm.compile_s:.1f} s", flush=True)
+    records.clear()
+    run = run_offline(llm, wl, "jaxpaged", progress=False)
+    e = run.engine_stats
+    steps = e["num_steps"]
+    phases = {k: e[f"time_{k}_s"] / steps * 1e3 for k in ("schedule", "batch", "device", "postprocess")}
+    decode = [(c, dt) for c, dt in records if c and all(n == 1 for _, n, _ in c)]
+    prefill = [(c, dt) for c, dt in records if sum(n for _, n, _ in c) >= args.max_num_batched_tokens // 2]
+    dec_bw = [cost.step(c)[1] / dt / bw for c, dt in decode if len(c) >= 64]
+    pre_mfu = [cost.step(c)[0] / dt for c, dt in prefill]
+    vllm_out, vllm_total = VLLM_H100_LLAMA3_8B
+    row = {"gen_tok_s": run.gen_tok_s, "total_tok_s": run.total_tok_s, "req_s": run.req_s, "wall_s": run.wall_s,
+           "steps": steps, "new_compiles_in_timed_run": run.compiles, "preemptions": e["num_preemptions"],
+           "ms_per_step": phases, "decode_steps": len(decode), "decode_bw_fraction_median":
+           float(np.median(dec_bw)) if dec_bw else float("nan"), "prefill_steps": len(prefill),
+           "prefill_tflops_median": float(np.median(pre_mfu)) / 1e12 if pre_mfu else float("nan"),
+           "wrong_lengths": run.wrong_lengths, "workload": summary}
+    print(f"{'':<24}{'output tok/s':>14}{'total tok/s':>13}{'req/s':>8}{'wall s':>8}")
+    print(f"{'jaxpaged (this run)':<24}{run.gen_tok_s:>14.0f}{run.total_tok_s:>13.0f}{run.req_s:>8.2f}"
+          f"{run.wall_s:>8.1f}")
+    print(f"{'vLLM, H100 (PR #8335)':<24}{vllm_out:>14.0f}{vllm_total:>13.0f}")
+    print(f"ratio to vLLM: output {run.gen_tok_s / vllm_out:.2f}x, total {run.total_tok_s / vllm_total:.2f}x; "
+          f"{steps} steps, {e['num_preemptions']} preemptions, {run.compiles} compilations in the timed run, "
+          f"{run.wrong_lengths} wrong lengths")
+    print("ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+          + f"; host share {1 - phases['device'] / sum(phases.values()):.0%}")
+    if dec_bw:
+        print(f"decode steps (>= 64 sequences): {len(dec_bw)}, bytes moved (weights + KV read/written) per "
+              f"device-step second: median {np.median(dec_bw):.0%} of the read bandwidth ({bw / 1e12:.2f} TB/s), "
+              f"p90 {np.percentile(dec_bw, 90):.0%}")
+    if pre_mfu:
+        peak = rates.get("bfloat16", H100_BF16_DENSE_FLOPS)
+        print(f"prefill-heavy steps (>= {args.max_num_batched_tokens // 2} tokens): {len(pre_mfu)}, median "
+              f"{np.median(pre_mfu) / 1e12:.0f} TFLOP/s = {np.median(pre_mfu) / H100_BF16_DENSE_FLOPS:.0%} MFU "
+              f"(of 989 dense bf16), {np.median(pre_mfu) / peak:.0%} of the 8192^3 matmul rate measured now")
+    # A profile of a short slice: the first 256 requests again (prefill, then decode).
+    folder = os.path.join(os.environ.get("OUT", "bench_out"), "trace_8b")
+    sub = dataclasses.replace(wl, prompts=wl.prompts[:256], max_tokens=wl.max_tokens[:256])
+    with jax.profiler.trace(folder):
+        run_offline(llm, sub.with_fresh_ids(2, cfg.vocab_size), "traced", progress=False)
+    tr = trace_summary(folder)
+    if tr:
+        row["trace"] = tr
+        print(f"profile of 256 requests: device busy {tr['device_busy']:.0%} of {tr['window_ms']:.0f} ms; "
+              "top kernels (ms, share of kernel time):")
+        for name, ms, share in tr["kernels"]:
+            print(f"    {ms:>9.1f}  {share:>5.1%}  {name}")
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "engine"), action="append")
+    ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "engine", "llama8b"),
+                    action="append")
+    ap.add_argument("--num-requests", type=int, default=1000, help="llama8b: requests of the workload")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="llama8b")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="llama8b")
+    ap.add_argument("--kv-cache-memory", default="24GiB", help="llama8b")
+    ap.add_argument("--backend", default="pallas", help="llama8b: attention backend")
     ap.add_argument("--engine-backends", default="pallas,xla", help="comma-separated attention backends")
     args = ap.parse_args()
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" and not (args.quick and args.only == ["llama8b"]):
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
     dev = jax.devices()[0]
     print(f"# bench_gpu  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  jax {jax.__version__}  "
           f"{dev.device_kind}  {os.cpu_count()} CPUs")
-    copy_bw, bw, rates = ceilings()
+    if jax.default_backend() == "gpu":
+        copy_bw, bw, rates = ceilings()
+    else:  # --quick --only llama8b checks the code path on CPU; no ceilings to speak of
+        copy_bw, bw, rates = 20e9, 20e9, {}
     print(f"memory bandwidth: copy {copy_bw / 1e12:.2f} TB/s (read + write), sum {bw / 1e12:.2f} TB/s (read); "
           "matmul 8192^3 "
           + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()))
-    only = set(args.only or ("decode", "tune", "block-size", "prefill", "engine"))
+    only = set(args.only or ("decode", "tune", "block-size", "prefill", "engine", "llama8b"))
     report = {"device": dev.device_kind, "jax": jax.__version__, "copy_bw": copy_bw, "read_bw": bw,
               "matmul_flops": rates}
     if "decode" in only:
@@ -280,6 +452,8 @@ def main():
         prefill_table()
     if "engine" in only:
         engine_table(args.quick, tuple(args.engine_backends.split(",")))
+    if "llama8b" in only:
+        report["llama8b"] = llama8b_table(args, bw, rates)
     name = "bench_gpu_quick" if args.quick else "bench_gpu"
     save_json(f"{name}.json", report)
     if "decode" in report or "block_size" in report:
