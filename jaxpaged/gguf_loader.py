@@ -1,4 +1,5 @@
-"""Reading a llama.cpp GGUF file: a Hugging Face config dict, float32 weights, and the tokenizer.
+"""Reading a llama.cpp GGUF file: a Hugging Face config dict, float32 weights (one tensor at a
+time), and the tokenizer.
 
 Everything is handed over in Hugging Face terms (``config.json`` keys, ``model.layers.{i}...``
 parameter names, ``[out_features, in_features]`` matrices), so the rest of jaxpaged has one
@@ -14,6 +15,7 @@ import functools
 import math
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import gguf
@@ -85,25 +87,41 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.nda
         model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight   [hidden_size]
         lm_head.weight                               [vocab_size, hidden_size]   (absent when tied)
 
+      The whole model in float32: to load one, stream it with :func:`open_gguf` instead.
+
     Raises:
       FileNotFoundError: ``path`` does not exist.
       ValueError: not a GGUF file, truncated or corrupt; an architecture other than llama;
         missing metadata; missing, extra or mis-shaped tensors; a tensor type gguf cannot dequantize.
     """
+    config, _, tensors = open_gguf(path)
+    return config, dict(tensors)
+
+
+def open_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[int, ...]],
+                                                  Iterator[tuple[str, np.ndarray]]]:
+    """The config, tensor shapes, and a one-pass reader of a GGUF file's weights.
+
+    Everything :func:`read_gguf` checks is checked here, before any weight is read. The
+    reader dequantizes one tensor at a time and yields ``(hf_name, float32 array)``, in
+    the names and orientation :func:`read_gguf` documents.
+    """
     f = _GGUFFile(path)
     config = _hf_config(f)
     plan = _tensor_plan(f, config)
-    tensors = {}
-    for hf_name, (tensor, shape) in plan.items():
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if np.may_share_memory(w, tensor.data):  # F32 comes back as a view of the memory-mapped file
-            w = w.copy()
-        w = w.astype(np.float32, copy=False).reshape(shape)
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
-            w = unpermute_rope_rows(w, heads)
-        tensors[hf_name] = w
-    return config, tensors
+
+    def read() -> Iterator[tuple[str, np.ndarray]]:
+        for hf_name, (tensor, shape) in plan.items():
+            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            if np.may_share_memory(w, tensor.data):  # F32 comes back as a view of the memory-mapped file
+                w = w.copy()
+            w = w.astype(np.float32, copy=False).reshape(shape)
+            if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+                w = unpermute_rope_rows(w, heads)
+            yield hf_name, w
+
+    return config, {name: shape for name, (_, shape) in plan.items()}, read()
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

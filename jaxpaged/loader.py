@@ -1,27 +1,37 @@
 """Weight loading: Hugging Face folders, GGUF files, and an Orbax cache of converted GGUF params.
 
-Every checkpoint is first turned into a dict of Hugging Face tensor names → numpy arrays;
-one table of regexes maps each name to a parameter of :class:`jaxpaged.model.Llama` with
-a transform. Every name and shape is checked and all problems are raised together, so a
-model is never silently partial.
+Every checkpoint is read as Hugging Face tensor names → arrays; one table of regexes maps
+each name to a parameter of :class:`jaxpaged.model.Llama` with a transform. Names and
+shapes are all checked before any weight is read, and every problem is raised together,
+so a model is never silently partial.
 
-The Orbax cache: dequantizing a GGUF takes a while, so the converted float32 params (and
-the tokenizer built from the GGUF's metadata) are saved once under ``$JAXPAGED_CACHE_DIR`` (default ``~/.cache/jaxpaged``) in a folder keyed
-by the source file's path, size and modification time. A changed source gets a new key; a
-cache that fails to restore is deleted and rebuilt. Clear it by deleting the folder;
-bypass it with ``use_cache=False``.
+Loading streams: tensors are read one at a time (safetensors shard by shard, each closed
+before the next; GGUF tensor by tensor), transformed and cast to the target dtype on the
+host, and placed on the device at once, or straight into each device's slices under
+tensor parallelism. The host never holds more than one shard's memory map and one
+tensor besides what the device holds: no float32 copy of a bfloat16 model, no second
+copy of the model. Each layer's tensor is written in place into its stacked ``[L, ...]``
+param on the device (:func:`stream_params`).
+
+The Orbax cache: dequantizing a GGUF takes a while, so the converted params (and the
+tokenizer built from the GGUF's metadata) are saved once under ``$JAXPAGED_CACHE_DIR``
+(default ``~/.cache/jaxpaged``) in a folder keyed by the source file's path, size and
+modification time and the dtype loaded. A changed source gets a new key; a cache that
+fails to restore is deleted and rebuilt. Clear it by deleting the folder; bypass it with
+``use_cache=False``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged import sharding
 from jaxpaged.config import LlamaConfig
@@ -37,7 +47,7 @@ from jaxpaged.model import Llama
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: params stored in the dtype loaded, the dtype in the key
 
 
 class CheckpointError(ValueError):
@@ -79,95 +89,167 @@ def _abstract_params(cfg: LlamaConfig) -> dict:
     return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
 
 
-def convert_hf_tensors(cfg: LlamaConfig, tensors: Mapping[str, np.ndarray], source: str | Path) -> dict:
-    """Map HF-named tensors onto the pure param dict of :class:`Llama` (float32 numpy)."""
+# Where a checkpoint tensor goes: (param name, layer index or None for a global, transform).
+_Target = tuple[str, int | None, _T]
+
+
+def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source: str | Path) -> dict[str, _Target]:
+    """Route every HF tensor name to its param, from names and shapes alone (no weight is read).
+
+    Raises :class:`CheckpointError` listing every unexpected, mis-shaped and missing tensor.
+    Names that are skipped (RoPE buffers, the head of a tied checkpoint) are left out.
+    """
     expected = _abstract_params(cfg)
     layer_shapes = expected["layers"]
-    out: dict[str, Any] = {"layers": {}}
+    plan: dict[str, _Target] = {}
     errors: list[str] = []
     seen_layer: dict[str, set[int]] = {k: set() for k in layer_shapes}
-    for name, arr in tensors.items():
+    for name, shape in shapes.items():
+        shape = tuple(shape)
         if _IGNORED.fullmatch(name):
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints also store the (identical) head
         m = _LAYER_NAME.fullmatch(name)
-        try:
-            if m:
-                i, rest = int(m.group(1)), m.group(2)
-                rule = next(((p, f) for pat, p, f in _LAYER_RULES if re.fullmatch(pat, rest)), None)
-                if rule is None or i >= cfg.num_layers:
-                    errors.append(f"unexpected tensor {name!r} {tuple(arr.shape)}")
-                    continue
-                p, f = rule
-                want = layer_shapes[p].shape[1:]
-                if arr.shape != _hf_shape(want, p):
-                    errors.append(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {_hf_shape(want, p)}")
-                    continue
-                buf = out["layers"].get(p)
-                if buf is None:
-                    buf = out["layers"][p] = np.empty(layer_shapes[p].shape, np.float32)
-                buf[i] = f(np.asarray(arr, np.float32), cfg)
-                seen_layer[p].add(i)
-            elif name in _GLOBAL_RULES:
-                p, f = _GLOBAL_RULES[name]
-                if p not in expected:
-                    errors.append(f"unexpected tensor {name!r} (the config ties embeddings)")
-                    continue
-                val = f(np.asarray(arr, np.float32), cfg)
-                if val.shape != expected[p].shape:
-                    want = expected[p].shape[::-1] if p == "lm_head" else expected[p].shape
-                    errors.append(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
-                    continue
-                out[p] = val
-            else:
-                errors.append(f"unexpected tensor {name!r} {tuple(arr.shape)}")
-        except Exception as e:  # noqa: BLE001 - any read failure is reported with the tensor's name
-            errors.append(f"cannot read tensor {name!r}: {e}")
+        if m:
+            i, rest = int(m.group(1)), m.group(2)
+            rule = next(((p, f) for pat, p, f in _LAYER_RULES if re.fullmatch(pat, rest)), None)
+            if rule is None or i >= cfg.num_layers:
+                errors.append(f"unexpected tensor {name!r} {shape}")
+                continue
+            p, f = rule
+            want = _hf_shape(layer_shapes[p].shape[1:], p)
+            if shape != want:
+                errors.append(f"tensor {name!r} has shape {shape}, expected {want}")
+                continue
+            plan[name] = (p, i, f)
+            seen_layer[p].add(i)
+        elif name in _GLOBAL_RULES:
+            p, f = _GLOBAL_RULES[name]
+            want = tuple(expected[p].shape[::-1] if p == "lm_head" else expected[p].shape)
+            if shape != want:
+                errors.append(f"tensor {name!r} has shape {shape}, expected {want}")
+                continue
+            plan[name] = (p, None, f)
+        else:
+            errors.append(f"unexpected tensor {name!r} {shape}")
     for p, got in seen_layer.items():
         missing = sorted(set(range(cfg.num_layers)) - got)
         if missing:
             rule = next(pat for pat, q, _ in _LAYER_RULES if q == p).replace("\\", "")
             errors.append(f"missing tensor model.layers.{{{','.join(map(str, missing[:8]))}"
                           f"{',...' if len(missing) > 8 else ''}}}.{rule}")
+    placed = {p for p, i, _ in plan.values() if i is None}
     for p in expected:
-        if p != "layers" and p not in out:
+        if p != "layers" and p not in placed:
             name = next(n for n, (q, _) in _GLOBAL_RULES.items() if q == p)
             errors.append(f"missing tensor {name!r}")
     if errors:
         raise CheckpointError(f"{source}: " + "; ".join(errors))
-    return out
+    return plan
 
 
 def _hf_shape(layer_shape: tuple[int, ...], p: str) -> tuple[int, ...]:
     """The HF (PyTorch Linear [out, in]) shape of one layer's param."""
     if p in ("input_norm", "post_attn_norm"):
-        return layer_shape
+        return tuple(layer_shape)
     if p in ("wq", "wk", "wv"):
         d, n, h = layer_shape
         return (n * h, d)
     if p == "wo":
         n, h, d = layer_shape
         return (d, n * h)
-    return layer_shape[::-1]
+    return tuple(layer_shape[::-1])
+
+
+def param_shardings(cfg: LlamaConfig, mesh: Mesh | None) -> dict:
+    """The ``jax.sharding.Sharding`` of every param, as a pure dict shaped like the params."""
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: one, _abstract_params(cfg))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), sharding.param_specs(cfg, mesh.size),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def stream_params(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]],
+                  tensors: Iterable[tuple[str, np.ndarray]], source: str | Path, *,
+                  dtype, mesh: Mesh | None = None) -> dict:
+    """Place checkpoint tensors on the device(s) as they are read; the pure param dict of :class:`Llama`.
+
+    Args:
+      shapes: every tensor's HF name and shape, checked (:func:`plan_tensors`) before reading.
+      tensors: ``(HF name, array)`` pairs, read one at a time; an array may be a view of a
+        memory-mapped file, valid until the next pair is asked for.
+      dtype: the params' dtype; each tensor is cast on the host, one at a time.
+      mesh: place each tensor straight into its shards (:mod:`jaxpaged.sharding`).
+
+    A layer's tensor is written in place (donated) into its ``[L, ...]`` param, allocated
+    on the device when its first layer arrives: no per-layer pieces to stack afterwards,
+    which on CPU would hold the model twice.
+    """
+    plan = plan_tensors(cfg, shapes, source)
+    np_dtype = np.dtype(dtype)
+    shardings = param_shardings(cfg, mesh)
+    layer_shapes = _abstract_params(cfg)["layers"]
+
+    def put(x: np.ndarray, target: jax.sharding.Sharding) -> jax.Array:
+        if mesh is None:  # astype copies: the device array never aliases the checkpoint's memory
+            return jax.device_put(np.asarray(x).astype(np_dtype, order="C"), target)
+        return jax.make_array_from_callback(x.shape, target,
+                                            lambda idx: np.asarray(x[idx]).astype(np_dtype, order="C"))
+
+    out: dict[str, Any] = {"layers": {}}
+    errors: list[str] = []
+    seen: set[str] = set()
+    for name, arr in tensors:
+        if name in plan:
+            seen.add(name)
+            p, i, f = plan[name]
+            try:
+                if i is None:
+                    out[p] = put(f(arr, cfg), shardings[p])
+                else:
+                    s = shardings["layers"][p]
+                    if p not in out["layers"]:
+                        out["layers"][p] = jnp.zeros(layer_shapes[p].shape, dtype, device=s)
+                    piece = s if mesh is None else NamedSharding(mesh, P(*s.spec[1:]))
+                    out["layers"][p] = _write_layer(out["layers"][p], put(f(arr, cfg), piece), i)
+            except Exception as e:  # noqa: BLE001 - any read failure is reported with the tensor's name
+                errors.append(f"cannot read tensor {name!r}: {e}")
+        del arr  # a view pins its file's memory map: let it go before the next tensor is read
+    errors += [f"tensor {n!r} was never read" for n in plan if n not in seen]
+    if errors:
+        raise CheckpointError(f"{source}: " + "; ".join(errors))
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stacked: jax.Array, x: jax.Array, i: int) -> jax.Array:
+    """``stacked`` [L, ...] with layer ``i`` replaced by ``x`` [...], in place (sharded as ``stacked``)."""
+    return jax.lax.dynamic_update_index_in_dim(stacked, x, i, 0)
+
+
+def _assemble(cfg: LlamaConfig, params: dict, *, dtype, attention_backend: str, mesh: Mesh | None) -> Llama:
+    """:class:`Llama` holding ``params`` (already on the device(s) in ``dtype``), without random init."""
+    abstract = nnx.eval_shape(
+        lambda: Llama(cfg, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
 
 
 def build_model(cfg: LlamaConfig, params: dict, *, dtype=jnp.float32, attention_backend: str = "auto",
                 mesh: Mesh | None = None) -> Llama:
-    """Instantiate :class:`Llama` without random init and fill it with ``params``.
+    """Instantiate :class:`Llama` without random init and fill it with ``params`` (a pure dict).
 
     With a ``mesh`` (:func:`jaxpaged.sharding.make_mesh`), every param goes straight from
     the host into its shards (:func:`jaxpaged.sharding.shard_params`).
     """
-    abstract = nnx.eval_shape(
-        lambda: Llama(cfg, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
     if mesh is None:
         params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
     else:
         params = sharding.shard_params(params, cfg, mesh, dtype)
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
+    return _assemble(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
 
 
 def shard_model(model: Llama, tensor_parallel_size: int) -> Llama:
@@ -191,10 +273,16 @@ def shard_model(model: Llama, tensor_parallel_size: int) -> Llama:
 # ---------------------------------------------------------------------------- sources
 
 
-def read_hf_folder(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """Config dict and tensors of a Hugging Face folder (single or sharded safetensors)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+def open_hf_folder(folder: Path) -> tuple[dict, dict[str, tuple[int, ...]], Iterator[tuple[str, np.ndarray]]]:
+    """Config dict, tensor shapes and a one-pass tensor reader of a Hugging Face folder.
+
+    Only the headers are read here. The reader yields ``(name, array)`` shard by shard
+    (``safetensors.safe_open``); each array is a view of a memory map, so consume it before
+    asking for the next. The file is opened afresh for every tensor: a memory map keeps
+    the pages read through it resident until it is closed, so one map held over a shard
+    would hold the whole shard in memory by its end.
+    """
+    from safetensors import SafetensorError, safe_open
 
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -212,20 +300,31 @@ def read_hf_folder(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
         weight_map = None
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors weights in this model folder")
-    tensors: dict[str, np.ndarray] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    owner: dict[str, Path] = {}  # tensor name → its shard, in file order
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"{f}: shard named in {index.name} is missing")
         try:
-            shard = load_file(f)
+            with safe_open(f, framework="numpy") as shard:
+                for name in shard.keys():
+                    shapes[name] = tuple(shard.get_slice(name).get_shape())
+                    owner[name] = f
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f}: corrupt or truncated safetensors file ({e})") from None
-        tensors.update(shard)
     if weight_map is not None:
-        missing = sorted(set(weight_map) - set(tensors))
+        missing = sorted(set(weight_map) - set(shapes))
         if missing:
             raise CheckpointError(f"{index}: tensors listed in the index are missing from the shards: {missing[:8]}")
-    return config, tensors
+
+    def read() -> Iterator[tuple[str, np.ndarray]]:
+        for name, f in owner.items():
+            with safe_open(f, framework="numpy") as shard:
+                arr = shard.get_tensor(name)
+            yield name, arr
+            del arr
+
+    return config, shapes, read()
 
 
 def _load_hf_tokenizer(folder: Path):
@@ -243,10 +342,10 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
     return Path(os.environ.get("JAXPAGED_CACHE_DIR", Path.home() / ".cache" / "jaxpaged"))
 
 
-def cache_path_for(source: Path, cache_dir: str | Path | None = None) -> Path:
-    """Folder holding the converted params of ``source``; keyed on path, size and mtime."""
+def cache_path_for(source: Path, cache_dir: str | Path | None = None, dtype=jnp.float32) -> Path:
+    """Folder holding the params of ``source`` converted to ``dtype``; keyed on path, size, mtime and dtype."""
     st = source.stat()
-    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_FORMAT}"
+    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{np.dtype(dtype).name}|v{CACHE_FORMAT}"
     return _cache_root(cache_dir) / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -264,7 +363,9 @@ def _save_cache(path: Path, config: dict, params: dict, tokenizer) -> None:
     (path / "meta.json").write_text(json.dumps({"format": CACHE_FORMAT, "config": config}))
 
 
-def _restore_cache(path: Path):
+def _restore_cache(path: Path, dtype, tensor_parallel_size: int):
+    """``(config, params, tokenizer)`` from the cache, params restored straight onto their
+    device(s), or None when there is no usable cache."""
     import orbax.checkpoint as ocp
     from transformers import PreTrainedTokenizerFast
 
@@ -276,7 +377,9 @@ def _restore_cache(path: Path):
         if meta.get("format") != CACHE_FORMAT:
             raise ValueError(f"cache format {meta.get('format')} != {CACHE_FORMAT}")
         cfg = LlamaConfig.from_hf(meta["config"])
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32), _abstract_params(cfg))
+        shardings = param_shardings(cfg, sharding.make_mesh(tensor_parallel_size, cfg))
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s),
+                              _abstract_params(cfg), shardings)
         params = ocp.StandardCheckpointer().restore(path / "params", target)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path / "tokenizer"))
         return meta["config"], params, tokenizer
@@ -286,18 +389,21 @@ def _restore_cache(path: Path):
         return None
 
 
-def load_gguf(path: Path, *, use_cache: bool = True, cache_dir: str | Path | None = None):
-    """HF config dict, converted params and tokenizer of a GGUF file, through the Orbax cache."""
-    from jaxpaged.gguf_loader import read_gguf, tokenizer_from_gguf
+def load_gguf(path: Path, *, dtype=jnp.float32, tensor_parallel_size: int = 1, use_cache: bool = True,
+              cache_dir: str | Path | None = None):
+    """HF config dict, params on the device(s) in ``dtype``, and tokenizer of a GGUF file,
+    through the Orbax cache."""
+    from jaxpaged.gguf_loader import open_gguf, tokenizer_from_gguf
 
-    cache = cache_path_for(path, cache_dir) if use_cache else None
+    cache = cache_path_for(path, cache_dir, dtype) if use_cache else None
     if cache is not None:
-        hit = _restore_cache(cache)
+        hit = _restore_cache(cache, dtype, tensor_parallel_size)
         if hit is not None:
             return hit
-    config, tensors = read_gguf(path)
-    params = convert_hf_tensors(LlamaConfig.from_hf(config), tensors, path)
-    del tensors
+    config, shapes, tensors = open_gguf(path)
+    cfg = LlamaConfig.from_hf(config)
+    params = stream_params(cfg, shapes, tensors, path, dtype=dtype,
+                           mesh=sharding.make_mesh(tensor_parallel_size, cfg))
     tokenizer = tokenizer_from_gguf(path)
     if cache is not None:
         try:
@@ -317,6 +423,9 @@ def load_model(
     tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load a Llama-architecture model and its tokenizer.
+
+    Weights stream from the checkpoint to the device(s) one tensor at a time (see the
+    module docstring): peak host memory stays within the model plus one shard.
 
     Args:
       model: a Hugging Face folder (``config.json`` + ``*.safetensors``), a ``.gguf`` file,
@@ -338,16 +447,17 @@ def load_model(
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if path.is_dir():
-        config, tensors = read_hf_folder(path)
+        config, shapes, tensors = open_hf_folder(path)
         cfg = LlamaConfig.from_hf(config)
-        params = convert_hf_tensors(cfg, tensors, path)
-        del tensors
+        mesh = sharding.make_mesh(tensor_parallel_size, cfg)
+        params = stream_params(cfg, shapes, tensors, path, dtype=dtype, mesh=mesh)
         tokenizer = _load_hf_tokenizer(path)
     elif path.suffix.lower() == ".gguf":
-        config, params, tokenizer = load_gguf(path, use_cache=use_cache, cache_dir=cache_dir)
+        config, params, tokenizer = load_gguf(path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                                              use_cache=use_cache, cache_dir=cache_dir)
         cfg = LlamaConfig.from_hf(config)
+        mesh = sharding.make_mesh(tensor_parallel_size, cfg)
     else:
         raise ValueError(f"{path}: not a model folder or a .gguf file")
-    mesh = sharding.make_mesh(tensor_parallel_size, cfg)
-    return LoadedModel(build_model(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh),
+    return LoadedModel(_assemble(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh),
                        tokenizer, cfg, path)

@@ -1,6 +1,7 @@
 """Weight loading: every bad checkpoint raises one clear error naming the file and the tensor."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -129,8 +130,6 @@ def test_sharded_checkpoint_loads(good_folder, tmp_path):
 def test_stale_or_corrupt_cache_is_rebuilt(tmp_path):
     """The Orbax cache of a GGUF: corrupt it and the next load rebuilds it; edit the source and
     the key changes."""
-    import os
-
     from jaxpaged.loader import cache_path_for
     from test_gguf import tiny_hf_tensors, write_tiny_gguf
 
@@ -162,3 +161,83 @@ def test_cli_bad_model_is_one_line_error(tmp_path, kind):
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and str(bad) in lines[0], r.stderr
+
+
+def write_random_bf16_llama(folder, *, hidden=1024, layers=16, vocab=32000, intermediate=3584, heads=16,
+                            shard_bytes=300_000_000):
+    """A random Llama saved as bf16 safetensors shards with an index, as ``save_pretrained``
+    lays it out, written straight from numpy (seconds, where building it in torch takes a
+    minute). Returns (parameter bytes, largest shard's bytes)."""
+    import ml_dtypes
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden,
+               intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=heads, vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
+               max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "self_attn.q_proj.weight": (hidden, hidden),
+                   p + "self_attn.k_proj.weight": (hidden, hidden), p + "self_attn.v_proj.weight": (hidden, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, hidden), p + "post_attention_layernorm.weight": (hidden,),
+                   p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+                   p + "mlp.down_proj.weight": (hidden, intermediate)}
+    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    nbytes = {n: 2 * int(np.prod(s)) for n, s in shapes.items()}
+    shards, size = [[]], 0
+    for n in shapes:
+        if shards[-1] and size + nbytes[n] > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes[n]
+    noise = (np.random.default_rng(0).standard_normal(1 << 20, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    weight_map = {}
+    for k, names in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        # Each tensor a different rotation of the noise, so a misplaced tensor shows.
+        save_file({n: np.resize(np.roll(noise, j), nbytes[n] // 2).reshape(shapes[n])
+                   for j, n in enumerate(names, start=len(weight_map))}, folder / fname)
+        weight_map |= dict.fromkeys(names, fname)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return sum(nbytes.values()), max(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+PEAK_RSS_CHILD = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from safetensors import safe_open
+from jaxpaged.loader import load_model
+
+def status(key):  # bytes
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+
+base = status("VmRSS")
+lm = load_model(sys.argv[1], dtype=jnp.bfloat16, use_cache=False)
+jax.block_until_ready(jax.tree.leaves(lm.model))
+peak = status("VmHWM")
+with safe_open(sys.argv[1] + "/model-00001-of-00003.safetensors", "numpy") as f:
+    q = f.get_tensor("model.layers.3.self_attn.q_proj.weight")
+    ok = bool(np.array_equal(np.asarray(lm.model.layers.wq[...][3]).reshape(q.shape[1], -1), q.T))
+print(json.dumps({"base": base, "peak": peak, "dtype": str(lm.model.embed[...].dtype), "ok": ok}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_bf16_sharded_load_peak_host_memory_is_params_plus_one_shard(tmp_path):
+    """A 309M-parameter bf16 Llama in 3 shards loads with peak host RSS above the imports within
+    the parameter bytes plus one shard: no float32 copy, no second copy of the model. On
+    CPU the device memory is host memory, so the params themselves count."""
+    param_bytes, shard_bytes = write_random_bf16_llama(tmp_path)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
+    r = subprocess.run([sys.executable, "-c", PEAK_RSS_CHILD, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["dtype"] == "bfloat16" and got["ok"]
+    above = got["peak"] - got["base"]
+    mib = 2**20
+    print(f"peak RSS above imports {above / mib:.0f} MiB for {param_bytes / mib:.0f} MiB of params "
+          f"(largest shard {shard_bytes / mib:.0f} MiB)")
+    assert above <= param_bytes + shard_bytes, (above / mib, param_bytes / mib, shard_bytes / mib)

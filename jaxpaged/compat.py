@@ -1,0 +1,26 @@
+"""What differs between the jax versions jaxpaged supports, in one place.
+
+Supported: jax 0.10.2 with flax 0.12.8 (Python 3.11, where it is the newest jax) and
+jax 0.11.x with flax 0.12.10+ (Python 3.12+; the GPU machine runs jax 0.11.2, CUDA 13,
+flax 0.12.10). The package's own code runs unchanged on both; what differs is below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = "NVIDIA H100") -> Iterator[None]:
+    """Lower Pallas GPU kernels (``lowering_platforms=("cuda",)``) on a machine with no GPU.
+
+    jax 0.11 asks the GPU it lowers a Triton kernel for for its compute capability and
+    raises "No supported GPU devices found" when there is none; jax 0.10 assumed one. An
+    abstract mesh naming the GPU answers it, and jax 0.10.2 accepts the same call.
+    """
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
+        yield
