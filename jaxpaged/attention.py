@@ -8,14 +8,36 @@ the null block.
 
 Backends (``backend=``):
 
-- ``"pallas"``: the Pallas kernels of :mod:`jaxpaged.pallas` (Triton on GPU, the Pallas
-  interpreter on CPU, which is only for testing).
+- ``"pallas_tpu"``: the Mosaic kernels (:mod:`jaxpaged.pallas.tpu_paged_attention`,
+  :mod:`~jaxpaged.pallas.tpu_ragged_paged_attention`). On CPU, only for testing, they
+  run in Pallas' generic interpreter (each DMA a plain copy); under
+  ``pltpu.force_tpu_interpret_mode()`` in TPU interpret mode, which simulates the memory
+  spaces, DMAs and semaphores. TPU interpret mode is not the default because its ordered
+  host callbacks, staged in the CPU branch, make jax 0.10.2 fail to lower the step for TPU.
+- ``"pallas_gpu"``: the Triton kernels (:mod:`jaxpaged.pallas.paged_attention`,
+  :mod:`~jaxpaged.pallas.ragged_paged_attention`), on CUDA and ROCm; on CPU they run in
+  the Pallas interpreter, only for testing.
+- ``"pallas"``: the Pallas kernels of the platform: ``"pallas_tpu"`` on TPU,
+  ``"pallas_gpu"`` on GPU and (interpreted) on CPU.
 - ``"xla"``: the same algorithm in plain XLA ops (:mod:`jaxpaged.pallas.xla`), the fast
-  path on CPU.
+  path on CPU; runs anywhere.
 - ``"reference"``: the dense pure-jnp oracle (:mod:`jaxpaged.pallas.reference`).
-- ``"auto"``: ``"xla"`` on CPU, ``"pallas"`` on GPU (measurements in
-  ``scripts/bench_kernels.py``, ``scripts/bench_gpu.py`` and the README: on an H100 the
-  Pallas decode kernel is 8-20x faster than the XLA path).
+- ``"auto"`` (the default): ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on GPU, ``"xla"``
+  on CPU and anything else (measurements in ``scripts/bench_kernels.py``,
+  ``scripts/bench_gpu.py`` and the README: on an H100 the Pallas decode kernel is 8-20x
+  faster than the XLA path; on CPU Pallas only interprets).
+
+**Selection rule.** The platform is the one the step is *lowered* for, not the one this
+process runs on: :func:`paged_attention` stages one branch per platform with
+:func:`jax.lax.platform_dependent` (table: :func:`resolve_backend`), and lowering keeps
+only the branch of the target platform. So a step jitted on a CPU machine and lowered
+with ``lowering_platforms=("tpu",)`` (or exported for TPU) holds the Mosaic kernel, and
+the compiled CPU step holds the XLA path alone, with no conditional and no kernel in it.
+Every branch is traced, so a kernel that cannot take the shapes (Mosaic: ``block_size``
+a multiple of 8; Triton: power-of-two ``block_size`` and ``head_dim`` >= 16) does not
+join: under ``"auto"`` its platform gets the XLA path instead; under a named Pallas
+backend its platform is left out, so lowering for it fails, and on this process's own
+platform the kernel's error is raised right away.
 
 Decode-only steps (``md.decode_only``) use the decode kernels (one query per sequence,
 split-K for long tables); all other steps use the ragged kernels.
@@ -24,6 +46,8 @@ split-K for long tables); all other steps use the ragged kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 from jaxtyping import Array, Float, Int
@@ -33,9 +57,24 @@ from jaxpaged.pallas.common import check_paged_inputs
 from jaxpaged.pallas.paged_attention import paged_decode_attention
 from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas.reference import ref_ragged_paged_attention
+from jaxpaged.pallas.tpu_common import HLO_INTERPRETER
+from jaxpaged.pallas.tpu_paged_attention import tpu_paged_decode_attention
+from jaxpaged.pallas.tpu_ragged_paged_attention import tpu_ragged_paged_attention
 from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
 
-BACKENDS = ("auto", "pallas", "xla", "reference")
+BACKENDS = ("auto", "pallas", "pallas_tpu", "pallas_gpu", "xla", "reference")
+
+# backend -> {lowering platform: implementation}. None: every platform not named; a
+# platform missing from a row cannot run that backend. A Pallas kernel on "cpu" runs in
+# its interpreter.
+_SELECTION: dict[str, dict[str | None, str]] = {
+    "auto": {"tpu": "pallas_tpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", None: "xla"},
+    "pallas": {"tpu": "pallas_tpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "cpu": "pallas_gpu"},
+    "pallas_tpu": {"tpu": "pallas_tpu", "cpu": "pallas_tpu"},
+    "pallas_gpu": {"cuda": "pallas_gpu", "rocm": "pallas_gpu", "cpu": "pallas_gpu"},
+    "xla": {None: "xla"},
+    "reference": {None: "reference"},
+}
 
 
 @jax.tree_util.register_dataclass
@@ -49,13 +88,55 @@ class AttentionMetadata:
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))  # T == S, one token each
 
 
-def resolve_backend(backend: str) -> str:
-    """``"auto"`` -> ``"xla"`` on CPU, ``"pallas"`` elsewhere; checks the name."""
+def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
-    if backend == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
-    return backend
+
+
+def resolve_backend(backend: str, platform: str) -> str | None:
+    """The implementation ``backend`` runs when lowered for ``platform`` (``"cpu"``, ``"tpu"``,
+    ``"cuda"``, ``"rocm"``, ...): ``"pallas_tpu"``, ``"pallas_gpu"``, ``"xla"`` or
+    ``"reference"`` (a Pallas kernel on ``"cpu"`` is interpreted); None where it cannot run.
+
+    >>> resolve_backend("auto", "tpu"), resolve_backend("auto", "cpu"), resolve_backend("pallas", "cuda")
+    ('pallas_tpu', 'xla', 'pallas_gpu')
+    """
+    check_backend(backend)
+    row = _SELECTION[backend]
+    return row.get(platform, row.get(None))
+
+
+def _attend(impl: str, interpret: bool, q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc,
+            positions, *, decode: bool, scale: float, num_splits: int | None, debug: bool):
+    """One implementation over the arguments of :func:`paged_attention`, flattened."""
+    args = (q, k_pool, v_pool, layer, block_tables, context_lens)
+    if impl == "reference":
+        return ref_ragged_paged_attention(*args, query_start_loc, positions, scale=scale)
+    if impl == "xla":
+        if decode:
+            return xla_paged_decode_attention(*args, scale=scale, debug=debug)
+        return xla_ragged_paged_attention(*args, query_start_loc, scale=scale, debug=debug)
+    decode_fn, ragged_fn = {"pallas_gpu": (paged_decode_attention, ragged_paged_attention),
+                            "pallas_tpu": (tpu_paged_decode_attention, tpu_ragged_paged_attention)}[impl]
+    if impl == "pallas_tpu" and interpret:
+        interpret = HLO_INTERPRETER  # not TPU interpret mode: its callbacks break TPU lowering (see there)
+    if decode:
+        return decode_fn(*args, scale=scale, num_splits=num_splits, interpret=interpret, debug=debug)
+    return ragged_fn(*args, query_start_loc, scale=scale, interpret=interpret, debug=debug)
+
+
+def _trace_error(fn: Callable, args) -> Exception | None:
+    """What tracing ``fn(*args)`` raises (a kernel rejecting the shapes or dtype), if anything."""
+    try:
+        jax.eval_shape(fn, *args)  # the kernels' inner jits cache this trace for the real one
+    except Exception as e:  # noqa: BLE001  (any kernel refusal; "auto" must still run elsewhere)
+        return e
+    return None
+
+
+def _is_this_process_platform(platform: str | None) -> bool:
+    here = jax.default_backend()  # "gpu" for both CUDA and ROCm
+    return platform == here or (here == "gpu" and platform in ("cuda", "rocm"))
 
 
 def paged_attention(
@@ -77,18 +158,33 @@ def paged_attention(
     (each sequence's queries are the last ``q_len`` tokens of its context);
     ``md.positions`` must agree (the reference backend uses it).
 
-    ``num_splits`` overrides the split-K choice of the Pallas decode kernel; ``debug``
-    range-checks the block table at run time.
+    ``backend`` is chosen per lowering platform (see the module docstring); ``num_splits``
+    overrides the split-K choice of the Pallas decode kernels; ``debug`` range-checks the
+    block table at run time.
     """
-    backend = resolve_backend(backend)
-    args = (q, kv.k, kv.v, layer, md.block_tables, md.context_lens)
-    if backend == "reference":
-        check_paged_inputs(*args[:3], *args[4:], md.query_start_loc, decode=False, what="paged_attention")
-        return ref_ragged_paged_attention(*args, md.query_start_loc, md.positions, scale=scale)
-    if md.decode_only:
-        if backend == "pallas":
-            return paged_decode_attention(*args, scale=scale, num_splits=num_splits, debug=debug)
-        return xla_paged_decode_attention(*args, scale=scale, debug=debug)
-    if backend == "pallas":
-        return ragged_paged_attention(*args, md.query_start_loc, scale=scale, debug=debug)
-    return xla_ragged_paged_attention(*args, md.query_start_loc, scale=scale, debug=debug)
+    check_backend(backend)
+    check_paged_inputs(q, kv.k, kv.v, md.block_tables, md.context_lens, md.query_start_loc,
+                       decode=md.decode_only, what="paged_attention")
+    args = (q, kv.k, kv.v, layer, md.block_tables, md.context_lens, md.query_start_loc, md.positions)
+    attend = functools.partial(_attend, decode=md.decode_only, scale=scale, num_splits=num_splits, debug=debug)
+    row = _SELECTION[backend]
+    if set(row) == {None}:  # the same code on every platform: no platform_dependent at all
+        return attend(row[None], False, *args)
+    fns: dict[tuple[str, bool], Callable] = {}  # one function per implementation: platforms share branches
+    branches, refusal = {}, None
+    for platform, impl in row.items():
+        key = (impl, platform == "cpu" and impl != "xla")
+        if key not in fns:
+            fns[key] = functools.partial(attend, *key)
+            if impl != "xla" and (error := _trace_error(fns[key], args)) is not None:
+                if backend == "auto":
+                    fns[key] = functools.partial(attend, "xla", False)
+                elif _is_this_process_platform(platform):
+                    raise error
+                else:
+                    fns[key], refusal = None, error
+        if fns[key] is not None:
+            branches["default" if platform is None else platform] = fns[key]
+    if not branches:
+        raise refusal
+    return jax.lax.platform_dependent(*args, **branches)

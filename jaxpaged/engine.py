@@ -52,7 +52,8 @@ class LLM:
       enable_prefix_caching: share the KV of identical prompt prefixes across requests.
       preemption_mode: ``"recompute"`` or ``"swap"`` (needs ``swap_space``).
       swap_space: bytes (or a size string) of host memory for swapped-out KV blocks.
-      attention_backend: ``"auto"``, ``"pallas"``, ``"xla"`` or ``"reference"``.
+      attention_backend: ``"auto"`` (Pallas on TPU and GPU, XLA on CPU), ``"pallas"``,
+        ``"pallas_tpu"``, ``"pallas_gpu"``, ``"xla"`` or ``"reference"`` (:mod:`jaxpaged.attention`).
       seed: seeds the per-request seeds of requests that do not set one.
       debug_checks: check the block manager's invariants after every step.
       kv_allocator: ``"paged"``, or ``"contiguous"``: the pre-vLLM baseline where each

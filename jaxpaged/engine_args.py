@@ -12,7 +12,7 @@ import re
 from jaxpaged.attention import BACKENDS
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
-GPU_KV_FRACTION = 0.5  # of the device memory still free after loading the weights
+DEVICE_KV_FRACTION = 0.5  # of a GPU's or TPU's memory still free after loading the weights
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 1 << 10, "M": 1e6, "MB": 1e6, "MIB": 1 << 20,
           "G": 1e9, "GB": 1e9, "GIB": 1 << 30, "T": 1e12, "TB": 1e12, "TIB": 1 << 40}
 
@@ -107,9 +107,24 @@ class EngineArgs:
 def _default_kv_bytes(block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
     import jax
 
-    if jax.default_backend() == "cpu":
+    device = jax.local_devices()[0]
+    return default_kv_bytes(device.platform, device.memory_stats(), block_bytes=block_bytes,
+                            block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+
+
+def default_kv_bytes(platform: str, memory_stats: dict | None, *, block_bytes: int, block_size: int,
+                     max_num_seqs: int, max_model_len: int) -> int:
+    """Bytes of KV pool per device when ``kv_cache_memory`` is not given.
+
+    On CPU: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at
+    ``DEFAULT_CPU_KV_MEMORY`` (host memory is shared with everything else). On an
+    accelerator (GPU or TPU, the same rule): ``DEVICE_KV_FRACTION`` of the memory the
+    device reports free after the weights are loaded (``memory_stats()``:
+    ``bytes_limit - bytes_in_use``), or ``DEFAULT_CPU_KV_MEMORY`` when it reports nothing.
+    """
+    if platform == "cpu":
         need = max_num_seqs * (-(-max_model_len // block_size) + 1) * block_bytes
         return min(DEFAULT_CPU_KV_MEMORY, need)
-    stats = jax.local_devices()[0].memory_stats() or {}
+    stats = memory_stats or {}
     free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    return int(GPU_KV_FRACTION * free) if free > 0 else DEFAULT_CPU_KV_MEMORY
+    return int(DEVICE_KV_FRACTION * free) if free > 0 else DEFAULT_CPU_KV_MEMORY

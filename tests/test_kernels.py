@@ -84,18 +84,18 @@ def make_pool(rng, *, block_size, head_dim, contexts, dtype, extra_cols=2, free_
             jnp.asarray(contexts, jnp.int32))
 
 
-def decode_case(seed, *, block_size, ratio, head_dim, dtype):
+def decode_case(seed, *, block_size, ratio, head_dim, dtype, contexts=None):
     rng = np.random.default_rng(seed)
-    contexts = decode_contexts(block_size)
+    contexts = decode_contexts(block_size) if contexts is None else contexts
     k, v, tables, lens = make_pool(rng, block_size=block_size, head_dim=head_dim, contexts=contexts,
                                    dtype=dtype)
     q = jnp.asarray(rng.standard_normal((len(contexts), KVH * ratio, head_dim)), dtype)
     return q, k, v, jnp.int32(LAYER), tables, lens
 
 
-def ragged_case(seed, *, block_size, ratio, head_dim, dtype, pad_tokens=3):
+def ragged_case(seed, *, block_size, ratio, head_dim, dtype, pad_tokens=3, chunks=None):
     rng = np.random.default_rng(seed)
-    chunks = ragged_chunks(block_size)
+    chunks = ragged_chunks(block_size) if chunks is None else chunks
     contexts = [c + n for c, n in chunks]
     k, v, tables, lens = make_pool(rng, block_size=block_size, head_dim=head_dim, contexts=contexts,
                                    dtype=dtype)

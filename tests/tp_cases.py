@@ -19,8 +19,10 @@ from paged import jit_forward, step_metadata
 import jaxpaged.runner
 from jaxpaged import LLM, SamplingParams, sharding
 from jaxpaged.cli import main as cli_main
-from jaxpaged.kv_cache import init_kv_pool
+from jaxpaged.config import LlamaConfig
+from jaxpaged.kv_cache import KVPool, init_kv_pool
 from jaxpaged.loader import load_model, shard_model
+from jaxpaged.model import Llama
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
@@ -235,6 +237,36 @@ def test_step_hlo_has_two_all_reduces_per_layer_and_no_pool_gather(engines, tp):
 
 def hlo_shape(shape, dtype="f32"):
     return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+# ---- lowered for TPU and GPU ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "ragged"])
+def test_tp3_step_lowers_to_the_platforms_kernel_per_shard(decode):
+    """``tensor_parallel_size=3``, backend "auto": the step lowered for TPU holds the Mosaic
+    kernel, for CUDA the Triton one, for CPU neither, and the kernel's operands are each
+    device's slice of the pool (one of 3 KV heads), not the whole pool."""
+    from test_backends import MOSAIC, TRITON, attention_args, i32, kernels_in
+
+    cfg = LlamaConfig(vocab_size=384, hidden_size=96, intermediate_size=192, num_layers=2, num_heads=9,
+                      num_kv_heads=3, head_dim=64)
+    model = shard_model(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)), 3)
+    graphdef, params = nnx.split(model)
+    params = jax.tree.map(_abstract, params)
+    NB, block_size = 32, 16  # Mosaic takes whole sublane tiles (8 rows); BS = 4 is not
+    pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, block_size, cfg.head_dim), np.float32,
+                                sharding=sharding.pool_sharding(model.mesh))
+    q, _, _, md = attention_args(decode)
+    args = (graphdef, params, KVPool(pool, pool), i32(q.shape[:1]), md, i32(md.context_lens.shape))
+    # Not compat.abstract_gpu: its one-device abstract mesh would clash with the "tp" mesh.
+    lowered = {p: jaxpaged.runner._forward.trace(*args).lower(lowering_platforms=(p,)).as_text()
+               for p in ("tpu", "cuda", "cpu")}
+    assert {p: kernels_in(h) for p, h in lowered.items()} == {"tpu": {"mosaic"}, "cuda": {"triton"}, "cpu": set()}
+    shard_view = f"tensor<{cfg.num_layers * NB}x1x{block_size}x{cfg.head_dim}xf32>"  # [L * NB, KVH / 3, BS, D]
+    for platform, marker in (("tpu", MOSAIC), ("cuda", TRITON)):
+        calls = [line for line in lowered[platform].splitlines() if marker in line]
+        assert len(calls) == 1 and calls[0].count(shard_view) == 2, (platform, calls)  # k and v
 
 
 # ---- errors ----------------------------------------------------------------------------
