@@ -1,0 +1,69 @@
+"""The stacked-weight matmul (pallas/stacked_matmul.py) against x @ w[layer], and its Triton lowering."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.compat import abstract_gpu
+from jaxpaged.pallas.stacked_matmul import default_config, stacked_matmul
+
+
+def case(seed, T, K, N, L=3, dtype=jnp.float32):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (T, K), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (L, K, N), jnp.float32) / np.sqrt(K)).astype(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("T, K, N, blocks", [
+    (5, 64, 48, (16, 16, 16)),  # T padded to a token tile; several n and k tiles
+    (33, 96, 64, (16, 32, 32)),  # T over two tiles, the last partial
+    (64, 576, 192, None),  # SmolLM2's hidden -> KV width, default tiles (n 64, k 64)
+    (16, 128, 256, (16, 128, 64)),
+])
+@pytest.mark.parametrize("layer", [0, 2])
+def test_matches_the_layer_matmul_float32(T, K, N, blocks, layer):
+    x, w = case(T * 7 + layer, T, K, N)
+    got = stacked_matmul(x, w, jnp.int32(layer), blocks=blocks, interpret=True)
+    want = jnp.einsum("TK,KN->TN", x, w[layer], precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (T, N) and got.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_matches_the_layer_matmul_bfloat16_and_traced_layer():
+    x, w = case(1, 24, 128, 128, L=4, dtype=jnp.bfloat16)
+    f = jax.jit(functools.partial(stacked_matmul, blocks=(16, 64, 32), interpret=True))
+    for layer in (3, 1):
+        got = f(x, w, jnp.int32(layer)).astype(jnp.float32)
+        want = jnp.einsum("TK,KN->TN", x.astype(jnp.float32), w[layer].astype(jnp.float32))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-2, rtol=2e-2)
+
+
+def test_default_config_tiles_are_powers_of_two_that_divide():
+    assert default_config(256, 4096, 14336) == ((128, 128, 64), 4, 3)  # Llama-3-8B gate/up
+    assert default_config(256, 14336, 4096) == ((128, 64, 128), 8, 4)  # down
+    assert default_config(64, 4096, 14336) == ((64, 64, 128), 4, 3)
+    assert default_config(3, 576, 192) == ((16, 64, 64), 4, 3)  # SmolLM2: K = 576 = 9 x 64
+    assert default_config(32, 1536, 576) == ((32, 64, 128), 4, 3)
+
+
+def test_bad_shapes_and_tiles_are_explained():
+    x, w = case(0, 8, 64, 48)
+    with pytest.raises(ValueError, match=r"x \(8, 32\) and w \(3, 64, 48\) must be \[T, K\] and \[L, K, N\]"):
+        stacked_matmul(x[:, :32], w, 0)
+    with pytest.raises(ValueError, match="block_n=32 does not divide 48"):
+        stacked_matmul(x, w, 0, blocks=(16, 32, 16), interpret=True)
+    with pytest.raises(ValueError, match="x is bfloat16, w is float32"):
+        stacked_matmul(x.astype(jnp.bfloat16), w, 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_triton(dtype):
+    x, w = case(0, 256, 4096, 1024, L=2, dtype=dtype)
+    f = functools.partial(stacked_matmul, interpret=False)
+    with abstract_gpu():
+        text = jax.jit(f).trace(x, w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "stacked_matmul_t128_n64_k128" in text
