@@ -25,6 +25,38 @@ _SAMPLING = [  # (flag, type, SamplingParams field)
 ]
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The ``LLM`` options, shared by ``jaxpaged-generate`` and ``jaxpaged-serve``; see ``engine_kwargs``."""
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-blocks", type=int)
+    e.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2GiB")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-model-len", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    e.add_argument("--swap-space", default="0", help="host memory for swapped KV blocks, e.g. 1GiB")
+    e.add_argument("--attention-backend", choices=["auto", "pallas", "pallas_tpu", "pallas_gpu", "xla", "reference"],
+                   default="auto", help="auto: pallas_tpu on TPU, pallas_gpu on GPU, xla on CPU")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model and KV cache over this many devices")
+    e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
+    return e
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``LLM``'s keyword arguments (all but the model) from the options of ``add_engine_args``."""
+    return dict(dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
+                swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
+                attention_backend=args.attention_backend, seed=args.engine_seed,
+                tensor_parallel_size=args.tensor_parallel_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Generate text with jaxpaged (PagedAttention in JAX).")
     p.add_argument("prompts", nargs="*", help="prompts; none or '-' reads standard input, one per line")
@@ -42,21 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",")], default=None)
     s.add_argument("--ignore-eos", action="store_true", default=None)
     s.add_argument("--beam-search", action="store_true", dest="use_beam_search", default=None)
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-blocks", type=int)
-    e.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2GiB")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-model-len", type=int)
-    e.add_argument("--max-num-batched-tokens", type=int)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    e.add_argument("--swap-space", default="0", help="host memory for swapped KV blocks, e.g. 1GiB")
-    e.add_argument("--attention-backend", choices=["auto", "pallas", "xla", "reference"], default="auto")
-    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model and KV cache over this many devices")
-    e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
+    e = add_engine_args(p)
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -110,14 +128,7 @@ def run(argv: list[str] | None = None) -> int:
         if unknown:
             raise ValueError(f"unknown sampling options in prompts file: {sorted(unknown)}")
         params.append(SamplingParams(**{**base, **extra}))
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(args.dtype)
-    llm = LLM(args.model, dtype=dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-              swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
-              attention_backend=args.attention_backend, seed=args.engine_seed,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, **engine_kwargs(args))
     prompts = []
     for text, _ in items:
         if args.chat:

@@ -4,6 +4,7 @@
     python scripts/bench.py --workload sharegpt --num-requests 128 --mode both --rate 1.0
     python scripts/bench.py --peers --peer-requests 16       # + transformers generate / generate_batch
     python scripts/bench.py --quick --peers                  # ~5 minute smoke run of everything
+    python scripts/bench.py --mode server --rate 1 --num-requests 32   # against a running jaxpaged-serve
 
 What it does, in one process:
 
@@ -62,7 +63,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=None, help="decode-heavy: mean prompt (100); sharegpt: mean")
     p.add_argument("--output-len", type=int, default=None, help="decode-heavy: new tokens (256); sharegpt: mean")
     p.add_argument("--max-model-len", type=int, default=2048, help="the window lengths are clipped to")
-    p.add_argument("--mode", choices=["offline", "online", "both"], default="offline")
+    p.add_argument("--mode", choices=["offline", "online", "both", "server"], default="offline",
+                   help="server: Poisson arrivals over HTTP against a running jaxpaged-serve at --url")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server mode: the server's base URL")
+    p.add_argument("--api-key", default=None, help="server mode: the server's --api-key")
+    p.add_argument("--max-duration", type=float, default=120.0, help="server mode: seconds of arrivals at most")
     p.add_argument("--rate", type=float, default=None,
                    help="online arrivals per second (default: 0.7 x the offline req/s, or 0.5)")
     p.add_argument("--peers", action="store_true", help="also run transformers generate and generate_batch")
@@ -338,8 +343,31 @@ def plot(name: str, args, results: dict[str, RunResult], cost: ModelCost, ceil: 
 # ---- main ------------------------------------------------------------------------------
 
 
+def server_mode(args) -> dict:
+    """``--mode server``: ``bench_serve`` against a running server; prints one table row."""
+    import argparse
+    import asyncio
+
+    import bench_serve
+
+    ns = argparse.Namespace(url=args.url, api_key=args.api_key, num_requests=args.num_requests or 64,
+                            max_duration=args.max_duration, rate=args.rate or 1.0, prompt_len=args.prompt_len or 100,
+                            output_len=args.output_len or 128, vocab_size=49152, seed=args.seed)
+    r = asyncio.run(bench_serve.run(ns))
+    print(table(f"Server at {args.url}: {ns.num_requests} requests, Poisson {ns.rate}/s, {ns.prompt_len}-token "
+                f"prompts, {ns.output_len} new tokens, streamed",
+                ["requests", "failed", "req/s", "gen tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms"],
+                [[r["requests"], r["failed"], r["requests_per_s"], r["generated_tok_per_s"], r["ttft_p50_s"],
+                  r["ttft_p99_s"], 1e3 * r["itl_p50_s"], 1e3 * r["itl_p99_s"]]]))
+    save_json(f"{args.out or 'bench_server'}.json", {"machine": machine_info(), "args": vars(args), "result": r})
+    return r
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.mode == "server":
+        print(f"# jaxpaged bench: {machine_header()}", flush=True)
+        return server_mode(args)
     progress = not args.no_progress
     if not progress:
         from transformers.utils import logging as hf_logging

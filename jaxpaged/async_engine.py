@@ -1,0 +1,349 @@
+"""``AsyncLLM``: the engine core stepped by its own thread, for servers (vLLM's ``AsyncLLM``).
+
+An asyncio caller validates a request on its own thread (so a bad request raises at once
+and never reaches the engine), then hands it over through a locked queue; the engine
+thread admits queued requests and applies aborts between steps, steps while anything is
+unfinished, and sleeps on a condition variable when idle. After each step it makes the
+changed requests' outputs (on the engine thread, which alone touches request state) and
+passes them to the callers' event loops with ``call_soon_threadsafe``.
+
+Outputs are cumulative, so a request's stream keeps only the latest: a slow consumer
+never makes a backlog, and each output goes to the one stream registered under its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from jaxpaged.engine import LLM
+from jaxpaged.input_processor import PromptType
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sequence import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``max_waiting_requests``); try again later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is shut down, or its thread failed; no request can run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """The engine's state after a step (or an idle wake-up)."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # queued, not admitted yet (including requests preempted by recompute)
+    num_used_blocks: int = 0
+    num_blocks: int = 1
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0  # total over the engine's life
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool's blocks in use, 0 to 1."""
+        return self.num_used_blocks / self.num_blocks
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What one step produced, for stat loggers (Prometheus in the server)."""
+
+    scheduler: SchedulerStats
+    num_prompt_tokens: int = 0  # of the requests whose first token came in this step
+    num_generation_tokens: int = 0
+    time_to_first_token: list[float] = dataclasses.field(default_factory=list)  # seconds since arrival
+    inter_token_latency: list[float] = dataclasses.field(default_factory=list)  # seconds since the last token
+
+
+_ABORTED = object()  # ends a stream that its caller aborted
+
+
+class RequestStream:
+    """The outputs of one request, read on the caller's event loop: ``async for out in stream``.
+
+    Yields cumulative ``RequestOutput``s, the last one finished; after ``abort`` it just
+    ends. Use it as an async
+    context manager (or call ``AsyncLLM.abort``) so that a caller who stops early frees
+    the request's blocks.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._latest: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        # The engine thread's bookkeeping for this request's stats.
+        self._num_steps = 0  # that sampled a token for this request
+        self._num_tokens = 0  # generated, over all its sequences
+        self._last_token_time: float | None = None
+
+    def _put(self, item: RequestOutput | BaseException | object) -> None:  # on the event loop
+        if not self.finished and self._latest is not _ABORTED:  # nothing comes after an abort
+            self._latest = item
+            self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._latest = self._latest, None
+        if item is _ABORTED:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if not self.finished:
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    """An engine that runs requests while others arrive, for asyncio callers.
+
+    Args:
+      llm: the engine to drive (an ``LLM``); it belongs to this object from now on: call
+        nothing on it directly.
+      max_waiting_requests: most requests queued and not yet running; beyond it
+        ``add_request`` raises ``EngineOverloadedError``. None: no limit.
+      stat_loggers: callables given an ``IterationStats`` after every step, on the
+        engine thread.
+
+    Example::
+
+        engine = AsyncLLM(LLM(model))
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=8)):
+            print(out.outputs[0].text)
+        engine.shutdown()
+    """
+
+    def __init__(self, llm: LLM, *, max_waiting_requests: int | None = None,
+                 stat_loggers: list[Callable[[IterationStats], None]] = ()):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be non-negative or None, got {max_waiting_requests}")
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self.stat_loggers = list(stat_loggers)
+        self._cond = threading.Condition()
+        # Guarded by _cond: the hand-over queues, the live streams, the published stats.
+        self._adds: list[tuple[Request, RequestStream]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._stats = SchedulerStats(num_blocks=llm.bm.stats().num_blocks)
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side ----------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The latest published state; requests handed over but not admitted count as waiting."""
+        with self._cond:
+            return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + len(self._adds))
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+                    request_id: str | None = None) -> RequestStream:
+        """Validate and queue a request; returns the stream of its outputs. Call it on the
+        event loop that will read the stream.
+
+        Raises:
+          ValueError, TypeError: the request is invalid (nothing is queued).
+          EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
+          EngineDeadError: the engine is shut down.
+        """
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            self._check_alive()
+            waiting = self._stats.num_waiting + len(self._adds)
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise EngineOverloadedError(f"the engine is overloaded: {waiting} requests waiting, "
+                                            f"max_waiting_requests is {self.max_waiting_requests}; retry later")
+        # Tokenizing and validating outside the lock never stalls the engine thread.
+        req = self.llm.inputs.process(prompt, params, request_id, self._streams)
+        with self._cond:
+            self._check_alive()
+            if req.request_id in self._streams:  # taken by another thread meanwhile
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            stream = RequestStream(self, req.request_id, loop)
+            self._streams[req.request_id] = stream
+            self._adds.append((req, stream))
+            self._cond.notify()
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as they change; the last one is finished.
+
+        Stopping the iteration early (``break``, cancellation) aborts the request.
+        """
+        async with self.add_request(prompt, params, request_id=request_id) as stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: its blocks are freed and its stream gets nothing more. Thread-safe."""
+        with self._cond:
+            stream = self._streams.pop(str(request_id), None)
+            if stream is not None:
+                self._aborts.append(stream.request_id)
+                self._cond.notify()
+        if stream is not None:  # wake a reader, if any: its stream ends
+            _deliver_threadsafe(stream.loop, [(stream, _ABORTED)])
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Abort every request (their streams end with ``finish_reason="abort"``), free every
+        block and stop the engine thread. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine failed: {self._error!r}") from self._error
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+
+    # ---- the engine thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        core = self.llm.core
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping or self._adds or self._aborts
+                                        or core.has_unfinished())
+                    if self._stopping:
+                        break
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                    self._stats = dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + len(adds))
+                for req, stream in adds:  # before the aborts: an abort may name a request just added
+                    try:
+                        core.add(req)
+                    except ValueError as e:  # InputProcessor checked it; only a bug lands here
+                        with self._cond:
+                            self._streams.pop(req.request_id, None)
+                        _deliver_threadsafe(stream.loop, [(stream, e)])
+                for rid in aborts:
+                    core.abort(rid)
+                changed = core.step() if core.has_unfinished() else []
+                self._publish(changed)
+        except BaseException as e:  # the engine is unusable: fail every stream, free what we can
+            log.exception("the engine thread failed")
+            self._error = e
+        finally:
+            self._stop()
+
+    def _publish(self, changed: list[Request], *, error: BaseException | None = None) -> None:
+        """Publish the stats and hand each changed request's output to its stream."""
+        sched = self.llm.scheduler
+        mem = sched.kv.stats()
+        stats = SchedulerStats(
+            num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
+            num_used_blocks=mem.num_used_blocks, num_blocks=mem.num_blocks,
+            prefix_cache_hit_rate=self.llm.bm.prefix_cache_stats.hit_rate, num_preemptions=sched.num_preemptions)
+        it = IterationStats(stats)
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cond:
+            self._stats = stats
+            streams = [(r, self._streams.get(r.request_id)) for r in changed]
+            for r, s in streams:
+                if s is not None and r.finished:
+                    del self._streams[r.request_id]
+        for req, stream in streams:
+            if stream is None:  # aborted meanwhile
+                continue
+            out = self.llm.outputs.make_output(req)
+            num_steps = max((len(c.token_ids) for c in out.outputs), default=0)
+            if num_steps > stream._num_steps:
+                if stream._last_token_time is None:
+                    it.num_prompt_tokens += len(out.prompt_token_ids)
+                    it.time_to_first_token.append(now - req.metrics.arrival_time)
+                else:
+                    it.inter_token_latency.append((now - stream._last_token_time) / (num_steps - stream._num_steps))
+                num_tokens = sum(len(c.token_ids) for c in out.outputs)
+                it.num_generation_tokens += max(0, num_tokens - stream._num_tokens)  # beams can shrink
+                stream._num_steps, stream._num_tokens, stream._last_token_time = num_steps, num_tokens, now
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            _deliver_threadsafe(loop, items)
+        for logger in self.stat_loggers:
+            logger(it)
+
+    def _stop(self) -> None:
+        """Abort every request and end every stream (on the engine thread, at exit)."""
+        core = self.llm.core
+        with self._cond:
+            self._stopping = True
+            adds, self._adds = self._adds, []
+            streams, self._streams = self._streams, {}
+            self._aborts.clear()
+        for req, _ in adds:
+            self.llm.scheduler.abort(req)  # never admitted: just mark it finished
+        aborted = [core.requests[rid] for rid in list(core.requests)]
+        for req in aborted:
+            try:
+                core.abort(req.request_id)
+            except Exception:  # after a failed step the state may be broken: end the streams anyway
+                log.exception("could not abort request %s", req.request_id)
+        aborted += [req for req, _ in adds]
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for req in aborted:
+            stream = streams.pop(req.request_id, None)
+            if stream is not None:
+                item = EngineDeadError(f"the engine failed: {self._error!r}") if self._error is not None \
+                    else self.llm.outputs.make_output(req)
+                by_loop.setdefault(stream.loop, []).append((stream, item))
+        for stream in streams.values():  # finished in the failed step
+            by_loop.setdefault(stream.loop, []).append((stream, EngineDeadError("the engine stopped")))
+        for loop, items in by_loop.items():
+            _deliver_threadsafe(loop, items)
+        try:
+            self._publish([])
+        except Exception:
+            log.exception("could not publish the final stats")
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
+def _deliver_threadsafe(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:  # the caller's loop is closed: nobody is reading these streams
+        pass

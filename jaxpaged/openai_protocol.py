@@ -1,0 +1,236 @@
+"""The OpenAI API's request bodies (pydantic) and response bodies (plain dicts), for ``serve``.
+
+Requests accept the fields people use with OpenAI's API and vLLM's extras; unknown fields
+are ignored, as OpenAI and vLLM do. Types are checked strictly by pydantic, values by
+``SamplingParams`` itself, so a bad value gets the engine's own message. No jax here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(e: Exception) -> APIError:
+    """A 400 for an engine validation error; ``param`` is the field its message starts with."""
+    message = str(e)
+    first = message.split(" ", 1)[0].split("[", 1)[0]
+    fields = {"prompt", "messages", *OpenAIRequest.model_fields, *CompletionRequest.model_fields,
+              *ChatCompletionRequest.model_fields}
+    return APIError(400, message, param=first if first in fields else None, code="invalid_value")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class OpenAIRequest(BaseModel):
+    """The sampling fields the two generation endpoints share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ``APIError`` (400) with SamplingParams' message for an invalid value."""
+        bias = None
+        if self.logit_bias is not None:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                bad = next(k for k in self.logit_bias if not k.lstrip("-").isdigit())
+                raise APIError(400, f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias",
+                               code="invalid_value") from None
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                 if getattr(self, k) is not None}
+        try:
+            return SamplingParams(
+                n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                logit_bias=bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs, use_beam_search=self.use_beam_search,
+                length_penalty=self.length_penalty, cache_salt=self.cache_salt,
+                skip_special_tokens=self.skip_special_tokens, **given)
+        except (ValueError, TypeError) as e:
+            raise invalid(e) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAIRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        for name in ("echo", "suffix"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
+        return self._params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type != "text"]
+            if bad:
+                raise APIError(400, f"only text content parts are supported, got {bad[0]!r}", param="messages",
+                               code="unsupported_value")
+            content = "".join(p.text or "" for p in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [m.as_template_dict() for m in self.messages]
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # the engine's are OpenAI's
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(c: CompletionOutput, start: int = 0, text_offset: int = 0) -> dict[str, list]:
+    """The legacy completions ``logprobs`` object of tokens ``start:``; offsets from ``text_offset``."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        lp = entry[tid]
+        tokens.append(lp.decoded_token or "")
+        token_logprobs.append(lp.logprob)
+        top.append({(e.decoded_token or ""): e.logprob for e in sorted(entry.values(), key=lambda e: e.rank)})
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, num_top: int, start: int = 0) -> dict[str, list]:
+    """The chat ``logprobs`` object (``{"content": [...]}``) of tokens ``start:``."""
+    def item(text: str | None, logprob: float) -> dict:
+        text = text or ""
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        top = sorted((e for e in entry.values() if e.rank <= num_top), key=lambda e: e.rank)
+        content.append({**item(entry[tid].decoded_token, entry[tid].logprob),
+                        "top_logprobs": [item(e.decoded_token, e.logprob) for e in top]})
+    return {"content": content}
+
+
+def completion_response(request_id: str, model: str, outputs: list[RequestOutput], req: CompletionRequest) -> dict:
+    choices = []
+    for i, o in enumerate(outputs):
+        for c in o.outputs:
+            choices.append({
+                "index": i * req.n + c.index, "text": c.text,
+                "logprobs": completion_logprobs(c) if req.logprobs is not None else None,
+                "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason})
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(outputs)}
+
+
+def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatCompletionRequest) -> dict:
+    choices = [{
+        "index": c.index, "message": {"role": "assistant", "content": c.text},
+        "logprobs": chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+        "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason,
+    } for c in out.outputs]
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage([out])}
+
+
+def chunk(request_id: str, model: str, kind: Literal["completion", "chat"], choices: list[dict],
+          usage_: dict[str, Any] | None = None) -> dict:
+    obj = {"id": request_id, "object": "text_completion" if kind == "completion" else "chat.completion.chunk",
+           "created": int(time.time()), "model": model, "choices": choices}
+    if usage_ is not None:
+        obj["usage"] = usage_
+    return obj

@@ -1,0 +1,134 @@
+"""Server-sent events for ``serve``'s streaming responses, in OpenAI's chunk format.
+
+Outputs are cumulative; each chunk carries what a choice gained since the last one. Text
+that could still turn out to be the start of a stop string is held back until it cannot
+(vLLM does the same), so the streamed deltas always concatenate to the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from jaxpaged.async_engine import AsyncLLM, EngineDeadError, RequestStream
+from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chunk,
+                                      completion_logprobs, usage)
+from jaxpaged.outputs import RequestOutput
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(index of the stream, output)`` as each stream's outputs come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+class _Deltas:
+    """What each choice has sent so far; text that could still become a stop string is held back."""
+
+    def __init__(self, stop: list[str]):
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+        self.done: set[int] = set()  # choices whose finish_reason went out: nothing more to send
+
+    def next(self, key: int, text: str, num_tokens: int, finished: bool) -> tuple[str, int] | None:
+        """``(new text, index of the first new token)``, or None when there is nothing new."""
+        if key in self.done:
+            return None
+        if finished:
+            self.done.add(key)
+        sent, first = self.text.get(key, 0), self.tokens.get(key, 0)
+        end = len(text) if finished else max(sent, len(text) - self.hold)
+        if end == sent and num_tokens == first and not finished:
+            return None
+        self.text[key], self.tokens[key] = end, num_tokens
+        return text[sent:end], first
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _events(engine: AsyncLLM, streams: list[RequestStream], make_chunks, final_usage) -> AsyncIterator[str]:
+    """The SSE body: ``make_chunks(i, out)`` per output, usage if asked, then ``[DONE]``.
+
+    Cancellation (the client went away) or any error aborts the requests still running.
+    """
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in _merged(streams):
+            for obj in make_chunks(i, out):
+                yield _sse(obj)
+            if out.finished:
+                finals[i] = out
+        if final_usage is not None and len(finals) == len(streams):
+            yield _sse(final_usage([finals[i] for i in range(len(streams))]))
+    except EngineDeadError as e:
+        yield _sse(APIError(503, str(e), type="server_error", code="engine_dead").body())
+    finally:
+        for s in streams:
+            if not s.finished:
+                engine.abort(s.request_id)
+    yield _sse("[DONE]")
+
+
+def completion_events(engine, rid: str, model: str, streams, body: CompletionRequest,
+                       stop: list[str]) -> AsyncIterator[str]:
+    deltas = _Deltas(stop)
+
+    def make_chunks(i: int, out: RequestOutput):
+        for c in out.outputs:
+            index = i * body.n + c.index
+            d = deltas.next(index, c.text, len(c.token_ids), c.finish_reason is not None)
+            if d is None:
+                continue
+            text, first = d
+            yield chunk(rid, model, "completion", [{
+                "index": index, "text": text,
+                "logprobs": completion_logprobs(c, first) if body.logprobs is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+
+    final = (lambda outs: chunk(rid, model, "completion", [], usage(outs))) if body.include_usage else None
+    return _events(engine, streams, make_chunks, final)
+
+
+def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionRequest,
+                 stop: list[str]) -> AsyncIterator[str]:
+    deltas = _Deltas(stop)
+    started: set[int] = set()
+
+    def make_chunks(_: int, out: RequestOutput):
+        for c in out.outputs:
+            if c.index not in started:  # OpenAI's first delta of a choice carries the role
+                started.add(c.index)
+                yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}])
+            d = deltas.next(c.index, c.text, len(c.token_ids), c.finish_reason is not None)
+            if d is None:
+                continue
+            text, first = d
+            yield chunk(rid, model, "chat", [{
+                "index": c.index, "delta": {"content": text} if text else {},
+                "logprobs": chat_logprobs(c, body.top_logprobs or 0, first) if body.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+
+    final = (lambda outs: chunk(rid, model, "chat", [], usage(outs))) if body.include_usage else None
+    return _events(engine, [stream], make_chunks, final)

@@ -1,0 +1,304 @@
+"""``jaxpaged-serve``: an OpenAI-compatible HTTP server (also ``python -m jaxpaged.serve``).
+
+FastAPI + uvicorn over an :class:`~jaxpaged.async_engine.AsyncLLM`:
+``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with
+``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus).
+A client that disconnects aborts its requests at once, freeing their blocks.
+
+    jaxpaged-serve --port 8000 --max-num-seqs 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_response,
+                                      completion_response, invalid)
+from jaxpaged.openai_streaming import chat_events, completion_events
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.server_metrics import Metrics
+
+PROG = "jaxpaged-serve"
+log = logging.getLogger("jaxpaged.serve")
+
+
+# ---- the app --------------------------------------------------------------------------------
+
+
+def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None):
+    """The FastAPI app serving ``engine`` under the name ``served_model_name``; with
+    ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``."""
+    metrics = Metrics(engine)
+    engine.stat_loggers.append(metrics.record)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="jaxpaged", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return error(APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                                  code="invalid_json"))
+        loc = [str(x) for x in first["loc"] if x != "body"]
+        param = ".".join(loc) or None
+        return error(APIError(400, f"{param or 'body'}: {first['msg']}", param=param, code="invalid_type"))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request, e: EngineDeadError):
+        return error(APIError(503, str(e), type="server_error", code="engine_dead"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):  # a bug: still answer in OpenAI's shape
+        log.exception("unexpected error serving %s", request.url.path)
+        return error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        return error(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+                return error(APIError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key"))
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    def add(prompts: list, params, request_id: str) -> list[RequestStream]:
+        """Queue every prompt, or none (a bad one aborts those queued before it)."""
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(engine.add_request(p, params, request_id=f"{request_id}-{i}"))
+        except BaseException as e:
+            for s in streams:
+                engine.abort(s.request_id)
+            if isinstance(e, (ValueError, TypeError)):
+                raise invalid(e) from None
+            if isinstance(e, EngineOverloadedError):
+                raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+            raise
+        return streams
+
+    async def respond(raw: Request, streams: list[RequestStream], events: AsyncIterator[str] | None, finish):
+        """Stream ``events`` as SSE, or await the final outputs and return ``finish(outputs)``."""
+        if events is not None:
+            return _EngineStream(events, engine, streams)
+        task = asyncio.ensure_future(_final_outputs(engine, streams))
+        disconnect = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not task.done():  # the client left: the task's cleanup aborts the requests
+                task.cancel()
+        if not task.done() or task.cancelled():
+            return Response(status_code=499)
+        return JSONResponse(finish(task.result()))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        check_model(body.model)
+        params = body.sampling_params()
+        if body.stream and params.use_beam_search:
+            raise APIError(400, "stream is not supported with use_beam_search", param="stream")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        model = served_model_name
+        streams = add(body.prompts(), params, rid)
+        events = completion_events(engine, rid, model, streams, body, params.stop) if body.stream else None
+        return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        check_model(body.model)
+        params = body.sampling_params()
+        if body.stream and params.use_beam_search:
+            raise APIError(400, "stream is not supported with use_beam_search", param="stream")
+        tok = engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            ids = engine.llm.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        except Exception as e:  # the template's own check (e.g. roles that must alternate)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        model = served_model_name
+        streams = add([{"prompt_token_ids": ids}], params, rid)
+        events = chat_events(engine, rid, model, streams[0], body, params.stop) if body.stream else None
+        return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": metrics.started,
+                                            "owned_by": "jaxpaged", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return error(APIError(503, "the engine is not running", type="server_error", code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+class _EngineStream(StreamingResponse):
+    """An SSE response that aborts its requests when it ends, however it ends: the body
+    generator's own ``finally`` runs only if the generator is closed, and a client that
+    goes away while the response waits on ``send`` would leave that to the garbage collector."""
+
+    def __init__(self, events: AsyncIterator[str], engine: AsyncLLM, streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream")
+        self.engine, self.streams = engine, streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            for s in self.streams:
+                if not s.finished:
+                    self.engine.abort(s.request_id)
+
+
+async def _disconnected(raw) -> None:
+    """Return once the client has gone (the body is already read: only a disconnect comes)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _final_outputs(engine: AsyncLLM, streams: list[RequestStream]) -> list[RequestOutput]:
+    try:
+        return await asyncio.gather(*(_last(s) for s in streams))
+    finally:
+        for s in streams:
+            if not s.finished:
+                engine.abort(s.request_id)
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    out = None
+    async for out in stream:
+        pass
+    if out is None or not out.finished:
+        raise APIError(503, "the request was aborted", type="server_error", code="aborted")
+    return out
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxpaged.cli import add_engine_args
+
+    p = argparse.ArgumentParser(prog=PROG, description="Serve a model over an OpenAI-compatible HTTP API.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model, or the embedded name)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes")
+    p.add_argument("--max-waiting-requests", type=int,
+                   help="most requests queued and not yet running; beyond, requests get 503 (default: no limit)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    return p
+
+
+def default_model_name(model: str | None) -> str:
+    """The API's name of ``--model``: as given, or the embedded model's file name."""
+    from jaxpaged.default_model import DEFAULT_MODEL_FILE
+
+    return model if model is not None else DEFAULT_MODEL_FILE.removesuffix(".gguf")
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxpaged.cli import engine_kwargs
+    from jaxpaged.engine import LLM
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = LLM(args.model, **engine_kwargs(args))
+    engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
+    name = args.served_model_name or default_model_name(args.model)
+    app = build_app(engine, served_model_name=name, api_key=args.api_key)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    print(f"{PROG}: serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
+    server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5), engine)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    return 0
+
+
+class Server(uvicorn.Server):
+    """A ``uvicorn.Server`` that aborts every request of ``engine`` before uvicorn waits for
+    open connections to close, so that streams end at once, then stops the engine."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None):
+        self.engine.shutdown()
+        await super().shutdown(sockets)
+        stats = self.engine.stats
+        print(f"{PROG}: shut down with {stats.num_running} running requests, {stats.num_waiting} waiting, "
+              f"{stats.num_used_blocks} KV blocks in use", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except (FileNotFoundError, ValueError, TypeError, OSError) as e:
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

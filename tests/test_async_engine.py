@@ -1,0 +1,153 @@
+"""AsyncLLM: the engine stepped by its own thread; asyncio callers add, read, abort and shut down."""
+
+import asyncio
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+
+PROMPTS = ["The quick brown fox", "1, 2, 3, 4,", "Bonjour, je m'appelle", "def f(x):"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine_model):
+    return LLM(tiny_engine_model, max_num_seqs=8, num_blocks=128, debug_checks=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, [GREEDY, SEEDED] * 2, use_tqdm=False)]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+async def _collect(engine, prompt, params, request_id=None):
+    outs = [o async for o in engine.generate(prompt, params, request_id)]
+    assert outs and outs[-1].finished and all(not o.finished for o in outs[:-1])
+    return outs
+
+
+def test_concurrent_requests_get_their_own_tokens(llm, reference):
+    engine = AsyncLLM(llm)
+    try:
+        async def main():
+            return await asyncio.gather(*(_collect(engine, p, sp, f"r{i}")
+                                          for i, (p, sp) in enumerate(zip(PROMPTS, [GREEDY, SEEDED] * 2))))
+
+        results = run(main())
+        assert [[c.token_ids for c in outs[-1].outputs] for outs in results] == reference
+        for i, outs in enumerate(results):
+            assert {o.request_id for o in outs} == {f"r{i}"}
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            assert lengths == sorted(lengths) and len(outs) > 1  # incremental, never going back
+        assert engine.stats.num_used_blocks == 0 and engine.stats.num_running == 0
+    finally:
+        engine.shutdown()
+
+
+def test_bad_request_raises_at_once_and_queues_nothing(llm):
+    engine = AsyncLLM(llm)
+    try:
+        async def main():
+            with pytest.raises(ValueError, match="max_model_len is 512"):
+                engine.add_request(list(range(3, 600)), GREEDY)
+            with pytest.raises(ValueError, match="already in use"):
+                async with engine.add_request("x", LONG, request_id="same"):
+                    engine.add_request("y", GREEDY, request_id="same")
+            return await _collect(engine, PROMPTS[0], GREEDY)
+
+        assert run(main())[-1].outputs[0].finish_reason == "length"
+    finally:
+        engine.shutdown()
+
+
+def test_abort_frees_blocks_and_ends_the_stream(llm):
+    engine = AsyncLLM(llm)
+    try:
+        async def main():
+            stream = engine.add_request(PROMPTS[1], LONG)
+            async for out in stream:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+            assert engine.stats.num_used_blocks > 0
+            engine.abort(stream.request_id)
+            assert [o async for o in stream] == []  # nothing after the abort
+            for _ in range(200):
+                if engine.stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.01)
+
+        run(main())
+        assert engine.stats.num_running == 0 and engine.stats.num_used_blocks == 0
+        assert llm.bm.stats().num_used_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+def test_breaking_out_of_generate_aborts(llm):
+    engine = AsyncLLM(llm)
+    try:
+        async def main():
+            async for out in engine.generate(PROMPTS[2], LONG):
+                if len(out.outputs[0].token_ids) >= 2:
+                    break
+            for _ in range(200):
+                if engine.stats.num_running == 0 and not engine.llm.core.requests:
+                    return
+                await asyncio.sleep(0.01)
+
+        run(main())
+        assert engine.stats.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+def test_waiting_queue_bound(tiny_engine_model):
+    llm = LLM(tiny_engine_model, max_num_seqs=1, num_blocks=128)
+    engine = AsyncLLM(llm, max_waiting_requests=1)
+    try:
+        async def main():
+            running = engine.add_request(PROMPTS[0], LONG)
+            await anext(running)  # admitted: the only slot is taken
+            waiting = engine.add_request(PROMPTS[1], GREEDY)
+            with pytest.raises(EngineOverloadedError, match="1 requests waiting, max_waiting_requests is 1"):
+                engine.add_request(PROMPTS[2], GREEDY)
+            engine.abort(running.request_id)
+            outs = [o async for o in waiting]
+            assert outs[-1].finished
+            return await _collect(engine, PROMPTS[2], GREEDY)  # room again
+
+        run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_aborts_everything_and_frees_every_block(llm):
+    engine = AsyncLLM(llm)
+
+    async def main():
+        streams = [engine.add_request(p, LONG) for p in PROMPTS]
+        await anext(streams[0])
+        engine.shutdown()
+        finals = [[o async for o in s] for s in streams]
+        return finals
+
+    finals = run(main())
+    assert not engine._thread.is_alive() and not engine.is_running
+    for outs in finals:
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert llm.bm.stats().num_used_blocks == 0 and not llm.core.requests and not llm.scheduler.has_unfinished()
+    llm.bm.check_invariants()
+
+    async def after():
+        engine.add_request(PROMPTS[0], GREEDY)
+
+    with pytest.raises(EngineDeadError, match="shut down"):
+        run(after())
+    engine.shutdown()  # idempotent

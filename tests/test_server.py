@@ -1,0 +1,463 @@
+"""The OpenAI-compatible server, run for real on 127.0.0.1 (an ephemeral port) over a tiny
+model, spoken to with the official ``openai`` client and with raw HTTP (httpx)."""
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.serve import Server, build_app
+
+MODEL, KEY = "tiny-llama", "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ENGINE = dict(max_num_seqs=16, num_blocks=512, block_size=16)
+PROMPTS = ["The quick brown fox", "Paged attention splits the KV cache into blocks so that", "1, 2, 3, 4, 5,",
+           "Bonjour, je m'appelle", "def fibonacci(n):\n", "Q: What is the capital of Japan?\nA:"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is paged attention?"}]
+
+
+class Running:
+    """A server on its own thread: ``url``, its ``engine``, and the most requests seen running."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.engine = AsyncLLM(llm)
+        self.peak_running = 0
+        self.engine.stat_loggers.append(self._record)
+        app = build_app(self.engine, served_model_name=MODEL, api_key=KEY)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        self.server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), self.engine)
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[sock]), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def _record(self, it):
+        self.peak_running = max(self.peak_running, it.scheduler.num_running)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive() and not self.engine._thread.is_alive()
+        assert self.llm.bm.stats().num_used_blocks == 0 and not self.llm.scheduler.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_engine_model):
+    s = Running(LLM(tiny_engine_model, **ENGINE))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_engine_model):
+    return LLM(tiny_engine_model, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def metrics(http) -> dict[str, float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    pairs = (line.rsplit(" ", 1) for line in r.text.splitlines() if line and not line.startswith("#"))
+    return {k: float(v) for k, v in pairs}
+
+
+def wait_idle(http, timeout=15.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        if m["jaxpaged:num_requests_running"] == 0 and m["jaxpaged:kv_cache_used_blocks"] == 0 \
+                and m["jaxpaged:num_requests_waiting"] == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def sse(lines) -> list:
+    """The ``data:`` payloads of a server-sent event stream, JSON-decoded except ``[DONE]``."""
+    out = [line[len("data: "):] for line in lines if line]
+    assert all(not line.startswith("data: ") for line in out)
+    return [d if d == "[DONE]" else json.loads(d) for d in out]
+
+
+# ---- the happy paths ----------------------------------------------------------------------
+
+
+def test_models_health_metrics(srv, http, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(srv.url + "/health").status_code == 200  # no key needed
+    m = metrics(http)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
+                 "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count"):
+        assert f"jaxpaged:{name}" in m
+    assert 0 <= m["jaxpaged:kv_cache_usage_perc"] <= 1
+
+
+def test_greedy_completions_equal_the_offline_llm(client, offline):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = offline.generate(PROMPTS[:3], greedy, use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == MODEL
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in expected]
+    assert [c.finish_reason for c in r.choices] == ["length"] * 3
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    assert r.usage.completion_tokens == 36 and r.usage.total_tokens == r.usage.prompt_tokens + 36
+
+
+def test_greedy_chat_equals_the_offline_llm(client, offline):
+    expected = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected.outputs[0].text
+    assert r.choices[0].finish_reason == {"length": "length", "stop": "stop"}[expected.outputs[0].finish_reason]
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert r.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def _stream_completion(client, **kw):
+    texts, finish, usage = {}, {}, None
+    for ch in client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kw):
+        if ch.usage is not None:
+            assert ch.choices == []
+            usage = ch.usage
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    return texts, finish, usage
+
+
+def _stream_chat(client, **kw):
+    texts, finish, usage, roles = {}, {}, None, []
+    for ch in client.chat.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+                                             **kw):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            roles += [c.delta.role] if c.delta.role else []
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert roles == ["assistant"] * len(texts)
+    return texts, finish, usage
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_completion_deltas_concatenate_to_the_text(client, n):
+    kw = dict(prompt=PROMPTS[1], max_tokens=16, temperature=0.8 if n > 1 else 0, seed=3, n=n)
+    r = client.completions.create(model=MODEL, **kw)
+    texts, finish, usage = _stream_completion(client, **kw)
+    assert sorted(c.index for c in r.choices) == list(range(n))
+    assert texts == {c.index: c.text for c in r.choices}
+    assert finish == {c.index: c.finish_reason for c in r.choices}
+    assert usage.model_dump() == r.usage.model_dump()
+    if n == 2:
+        assert len({c.text for c in r.choices}) == 2  # two samples, not one twice
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_chat_deltas_concatenate_to_the_message(client, n):
+    kw = dict(messages=CHAT, max_tokens=16, temperature=0.8 if n > 1 else 0, seed=5, n=n)
+    r = client.chat.completions.create(model=MODEL, **kw)
+    texts, finish, usage = _stream_chat(client, **kw)
+    assert texts == {c.index: c.message.content for c in r.choices} and len(texts) == n
+    assert finish == {c.index: c.finish_reason for c in r.choices}
+    assert usage.model_dump() == r.usage.model_dump()
+
+
+def test_raw_http_sse_and_json(http):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r.iter_lines())
+    assert events[-1] == "[DONE]" and all(e["object"] == "text_completion" for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-2]  # not asked for
+    full = http.post("/v1/completions", json={**body, "stream": False}).json()
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full["choices"][0]["text"]
+    assert full["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings(client, stream):
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    k = len(base) // 2
+    stop = base[k:k + 3]
+    expected = base[:base.index(stop)]
+    kw = dict(prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop, "never matches"])
+    if stream:
+        texts, finish, _ = _stream_completion(client, **kw)
+        assert (texts[0], finish[0]) == (expected, "stop")
+    else:
+        c = client.completions.create(model=MODEL, **kw).choices[0]
+        assert (c.text, c.finish_reason, c.stop_reason) == (expected, "stop", stop)
+
+
+def test_completion_logprobs(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=3,
+              extra_body={"ignore_eos": True})
+    c = client.completions.create(**kw).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) in (3, 4) and logprob <= 0
+        assert logprob == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+    streamed = [t for ch in client.completions.create(stream=True, **kw) for x in ch.choices if x.logprobs
+                for t in x.logprobs.tokens]
+    assert streamed == lp.tokens
+
+
+def test_chat_logprobs(client):
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    content = c.logprobs.content
+    assert len(content) == 8
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+        assert item.bytes == list(item.token.encode())
+
+
+def test_16_concurrent_streaming_clients_get_exactly_what_they_get_alone(srv, client):
+    specs = [dict(prompt=PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), max_tokens=8 + i % 5,
+                  temperature=0 if i % 2 else 0.9, seed=i) for i in range(16)]
+    alone = [client.completions.create(model=MODEL, **s).choices[0] for s in specs]
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+        async def one(spec):
+            text, finish = "", None
+            async for ch in await aclient.completions.create(model=MODEL, stream=True, **spec):
+                for c in ch.choices:
+                    text += c.text
+                    finish = c.finish_reason or finish
+            return text, finish
+
+        try:
+            return await asyncio.gather(*(one(s) for s in specs))
+        finally:
+            await aclient.close()
+
+    srv.peak_running = 0
+    together = asyncio.run(main())
+    assert together == [(c.text, c.finish_reason) for c in alone]
+    assert srv.peak_running >= 8  # they really ran together
+
+
+# ---- disconnects, bad input, overload, shutdown ---------------------------------------------
+
+
+def test_client_disconnecting_mid_stream_frees_its_blocks(srv, http):
+    before = wait_idle(http)["jaxpaged:generation_tokens_total"]
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                                                 json=body) as r:
+        lines = r.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) >= 3
+        assert metrics(http)["jaxpaged:num_requests_running"] == 1
+    m = wait_idle(http)
+    assert m["jaxpaged:num_requests_running"] == 0 and m["jaxpaged:kv_cache_used_blocks"] == 0
+    assert m["jaxpaged:kv_cache_usage_perc"] == 0
+    assert m["jaxpaged:generation_tokens_total"] - before < 400  # aborted, not run to the end
+    assert srv.llm.bm.stats().num_used_blocks == 0 and not srv.llm.core.requests
+
+
+def test_client_disconnecting_while_waiting_for_json_frees_its_blocks(srv, http):
+    before = wait_idle(http)["jaxpaged:generation_tokens_total"]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, headers=AUTH, timeout=0.3) as c:
+        c.post("/v1/completions", json=body)
+    m = wait_idle(http)
+    assert m["jaxpaged:num_requests_running"] == 0 and m["jaxpaged:kv_cache_used_blocks"] == 0
+    assert m["jaxpaged:generation_tokens_total"] - before < 400
+
+
+LONG_PROMPT = list(range(5, 605))
+BAD = [  # (path, body, status, message pattern, param)
+    ("/v1/completions", b'{"prompt": "hi",', 400, r"not valid JSON", None),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, r"^temperature must be non-negative, got -1\.0$",
+     "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, r"top_p must be in \(0, 1\], got 1\.5", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 400, r"max_tokens: .*valid integer", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, r"max_tokens must be at least 1, got 0",
+     "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "temperature": 0}, 400, r"n must be 1 when using greedy", "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 40}, 400, r"runs n=40 sequences; max_num_seqs is 16", None),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, r"prompt has 600 tokens; max_model_len is 512", "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, r"prompt is empty", "prompt"),
+    ("/v1/completions", {"prompt": [99999999]}, 400, r"prompt token ids \[99999999\] are outside the vocabulary",
+     "prompt"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 5}}, 400,
+     r"logit_bias token ids \[99999999\] are outside the vocabulary \[0, 49152\)", "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 5}}, 400, r"logit_bias keys must be token ids",
+     "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, r"logprobs must be in \[0, 20\], got 21", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "use_beam_search": True, "temperature": 0}, 400,
+     r"stream is not supported with use_beam_search", "stream"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist", "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, r"messages: .*at least 1", "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, r"top_logprobs needs logprobs=true",
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     r"only text content parts are supported", "messages"),
+    ("/v1/nowhere", {}, 404, r"Not Found", None),
+]
+
+
+def _check_error(r, status, pattern, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert re.search(pattern, err["message"]), err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize("path, body, status, pattern, param", BAD,
+                         ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_its_status_and_message(http, path, body, status, pattern, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    _check_error(r, status, pattern, param)
+
+
+def test_wrong_or_missing_api_key_is_401(srv, client):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+        _check_error(httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, headers=headers), 401,
+                     r"invalid API key")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_bad_requests_never_disturb_a_running_one(srv, client, http):
+    kw = dict(prompt=PROMPTS[4], max_tokens=40, temperature=0.7, seed=11, extra_body={"ignore_eos": True})
+    alone = client.completions.create(model=MODEL, **kw).choices[0].text
+    result = {}
+    t = threading.Thread(target=lambda: result.update(_stream_completion(client, **kw)[0]))
+    t.start()
+    for path, body, status, pattern, param in BAD:
+        r = http.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+            else http.post(path, json=body)
+        _check_error(r, status, pattern, param)
+    t.join(60)
+    assert result == {0: alone}
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_full_waiting_queue_is_503(srv, client):
+    srv.engine.max_waiting_requests = 0  # every new request would wait beyond the bound
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, headers=AUTH)
+        _check_error(r, 503, r"the engine is overloaded: 0 requests waiting, max_waiting_requests is 0")
+        assert r.json()["error"]["type"] == "server_error"
+    finally:
+        srv.engine.max_waiting_requests = None
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_shutdown_ends_streams_and_leaves_nothing_running(tiny_engine_model):
+    s = Running(LLM(tiny_engine_model, **ENGINE))
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=s.url, headers=AUTH, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                                               json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+        s.server.should_exit = True
+        rest = sse(lines)
+    assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "abort"
+    s.stop()  # the server thread and the engine thread are gone, no block is in use, no request left
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health")
+
+
+@pytest.mark.slow
+def test_greedy_text_equals_the_offline_llm_on_the_default_model(smollm):
+    offline = LLM(smollm, max_num_seqs=4, num_blocks=64)
+    expected = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    s = Running(LLM(smollm, max_num_seqs=4, num_blocks=64))
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        r = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+        texts, _, _ = _stream_chat(c, messages=CHAT, max_tokens=24, temperature=0)
+    finally:
+        s.stop()
+    assert r.choices[0].message.content == texts[0] == expected
+    assert len(expected) > 20
+
+
+def test_command_line_server_serves_and_stops_cleanly_on_sigint(tiny_engine_folder):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpaged.serve", "--model", str(tiny_engine_folder), "--port", "0",
+                             "--served-model-name", MODEL, "--api-key", KEY, "--max-num-seqs", "4",
+                             "--num-blocks", "64", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not any("serving" in line for line in log):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            time.sleep(0.1)
+        url = re.search(r"on (http://127\.0\.0\.1:\d+)", "".join(log)).group(1)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert c.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")
+            proc.send_signal(signal.SIGINT)  # Ctrl-C with a stream in flight
+            rest = sse(lines)
+        assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    assert "shut down with 0 running requests, 0 waiting, 0 KV blocks in use" in "".join(log)
+
+
+def test_a_finished_choice_is_sent_once():
+    """With n > 1 a choice that finished early must not repeat its finish_reason while the
+    other choices run on (the stream would show it finishing again every step)."""
+    from jaxpaged.openai_streaming import _Deltas
+
+    d = _Deltas(["STOP"])
+    assert d.next(0, "abcdef", 3, False) == ("abc", 0)  # 3 characters held back: could start "STOP"
+    assert d.next(0, "abcdefg", 4, True) == ("defg", 3)
+    assert d.next(0, "abcdefg", 4, True) is None
+    assert d.next(1, "xy", 2, False) == ("", 0)  # the other choice goes on
