@@ -116,6 +116,20 @@ def test_models_health_metrics(srv, http, client):
     assert 0 <= m["jaxpaged:kv_cache_usage_perc"] <= 1
 
 
+def test_metrics_count_what_a_request_used(http, client):
+    """The counters move by exactly one request's usage; the latency histograms record it."""
+    before = wait_idle(http)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = wait_idle(http)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["jaxpaged:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert delta["jaxpaged:generation_tokens_total"] == r.usage.completion_tokens == 7
+    assert delta["jaxpaged:time_to_first_token_seconds_count"] == 1
+    assert 1 <= delta["jaxpaged:inter_token_latency_seconds_count"] <= 6
+    assert after["jaxpaged:kv_cache_usage_perc"] == 0 and after["jaxpaged:num_requests_running"] == 0
+
+
 def test_greedy_completions_equal_the_offline_llm(client, offline):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = offline.generate(PROMPTS[:3], greedy, use_tqdm=False)
