@@ -98,6 +98,14 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
 
+    def checked_params(body: CompletionRequest | ChatCompletionRequest):
+        """The request's SamplingParams, once its model and options are known to be servable."""
+        check_model(body.model)
+        params = body.sampling_params()
+        if body.stream and params.use_beam_search:
+            raise APIError(400, "stream is not supported with use_beam_search", param="stream")
+        return params
+
     def add(prompts: list, params, request_id: str) -> list[RequestStream]:
         """Queue every prompt, or none (a bad one aborts those queued before it)."""
         streams: list[RequestStream] = []
@@ -134,10 +142,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        check_model(body.model)
-        params = body.sampling_params()
-        if body.stream and params.use_beam_search:
-            raise APIError(400, "stream is not supported with use_beam_search", param="stream")
+        params = checked_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = add(body.prompts(), params, rid)
@@ -146,10 +151,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        check_model(body.model)
-        params = body.sampling_params()
-        if body.stream and params.use_beam_search:
-            raise APIError(400, "stream is not supported with use_beam_search", param="stream")
+        params = checked_params(body)
         tok = engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
