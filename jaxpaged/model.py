@@ -27,11 +27,11 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jaxpaged import sharding
-from jaxpaged.attention import AttentionMetadata, paged_attention
+from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backend
 from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision
-from jaxpaged.pallas.stacked_matmul import stacked_matmul
+from jaxpaged.pallas.stacked_matmul import stacked_matmul, supports
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
@@ -78,7 +78,8 @@ def _mlp_matmuls(layers: nnx.Module, precision, *, stacked: bool):
     ``stacked``: lowered for CUDA, read the layer's weight straight out of the stacked
     ``[L, ...]`` array with :func:`~jaxpaged.pallas.stacked_matmul.stacked_matmul` (under
     ``lax.scan`` XLA copies each layer's slice before a cuBLAS matmul: 9.7 ms of a 24.6 ms
-    Llama-3-8B decode step on an H100); other platforms take the slice the scan made.
+    Llama-3-8B decode step on an H100), where Triton can tile the shape; other platforms,
+    and shapes it cannot tile, take the slice the scan made.
     """
 
     def dense(x, w):
@@ -86,9 +87,10 @@ def _mlp_matmuls(layers: nnx.Module, precision, *, stacked: bool):
 
     def mlp(x, p, name: str, layer):
         sliced = getattr(p, name)[...]  # [K, N], this layer's slice, as the scan made it
-        if not stacked:
-            return dense(x, sliced)
         w = getattr(layers, name)[...]  # [L, K, N], the whole stack
+        # Every platform_dependent branch is traced: the kernel must accept the shape and dtype.
+        if not stacked or not supports(*w.shape[1:]) or x.dtype != w.dtype:
+            return dense(x, sliced)
         # Elsewhere the slice is used as before (and the unused stack costs nothing).
         return jax.lax.platform_dependent(x, w, layer, cuda=functools.partial(stacked_matmul, interpret=False),
                                           default=lambda x, w, layer: dense(x, sliced))
@@ -160,7 +162,7 @@ class Llama(nnx.Module):
             x = sharding.embed_tokens(mesh, self.embed[...], tokens)
         layer_def, layer_state = nnx.split(self.layers)
         mlp = _mlp_matmuls(self.layers, prec, stacked=md.decode_only and mesh is None
-                           and backend in ("auto", "pallas", "pallas_gpu"))
+                           and resolve_backend(backend, "cuda") == "pallas_gpu")
 
         def layer_fn(carry, xs):
             x, kv = carry

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.compat import abstract_gpu
-from jaxpaged.pallas.stacked_matmul import default_config, stacked_matmul
+from jaxpaged.pallas.stacked_matmul import default_config, stacked_matmul, supports
 
 
 def case(seed, T, K, N, L=3, dtype=jnp.float32):
@@ -67,3 +67,38 @@ def test_lowers_to_triton(dtype):
     with abstract_gpu():
         text = jax.jit(f).trace(x, w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "stacked_matmul_t128_n64_k128" in text
+
+
+def test_supports_only_shapes_triton_can_tile():
+    assert supports(4096, 14336) and supports(576, 192) and supports(96, 128)
+    assert not supports(100, 128) and not supports(64, 8) and not supports(24, 64)
+
+
+def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
+    """The model stages the kernel for CUDA only where it can tile the MLP; an odd width
+    keeps XLA's matmul on every platform instead of failing to trace (decode steps)."""
+    from flax import nnx
+
+    from jaxpaged import runner
+    from jaxpaged.attention import AttentionMetadata
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.kv_cache import init_kv_pool
+    from jaxpaged.model import Llama
+
+    def decode_step(intermediate):
+        cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=intermediate, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16)
+        graphdef, params = nnx.split(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)))
+        kv = init_kv_pool(2, 9, 2, 16, 16, jnp.float32)
+        md = AttentionMetadata(positions=jnp.array([3, 0]), slot_mapping=jnp.array([19, 0]),
+                               block_tables=jnp.array([[1, 0, 0, 0], [0, 0, 0, 0]]), context_lens=jnp.array([4, 0]),
+                               query_start_loc=jnp.array([0, 1, 1]), decode_only=True)
+        args = (graphdef, params, kv, jnp.array([5, 0]), md, jnp.array([0, 1]))
+        with abstract_gpu():
+            cuda = runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        logits, _ = runner._forward(*args)
+        assert bool(jnp.all(jnp.isfinite(logits)))
+        return cuda
+
+    assert "stacked_matmul" in decode_step(128)
+    assert "stacked_matmul" not in decode_step(100)

@@ -82,6 +82,12 @@ def default_config(T: int, K: int, N: int) -> tuple[tuple[int, int, int], int, i
     return (bt, _largest_power_of_2_dividing(N, bn), _largest_power_of_2_dividing(K, bk)), warps, stages
 
 
+def supports(K: int, N: int) -> bool:
+    """Whether Triton can tile ``[T, K] x [K, N]`` here: :func:`default_config` finds tiles of at
+    least 16 (a power of two) that divide K and N. Otherwise callers keep XLA's matmul."""
+    return _largest_power_of_2_dividing(K, 16) == 16 and _largest_power_of_2_dividing(N, 16) == 16
+
+
 def stacked_matmul(
     x: Float[Array, "T K"],
     w: Float[Array, "L K N"],
