@@ -15,9 +15,10 @@ that both double-buffer slots and the cross-slot prefetch are used.
 Tolerances: float32 ``1e-5``; bfloat16 ``2e-2`` (bf16 outputs, bf16 probabilities into
 ``p @ v``).
 
-Peers: JAX's own TPU decode kernel (``ops/tpu/paged_attention``), interpreted on the same
-pool contents in its layout; for ragged batches JAX's RPA oracle (its kernel cannot run
-in the interpreter of jax 0.10.2, which a test pins). Lowering: both kernels lowered for
+Peers: JAX's own TPU kernels, interpreted on the same pool contents in their layouts: the
+decode kernel (``ops/tpu/paged_attention``) and the ragged paged attention kernel
+(``ops/tpu/ragged_paged_attention``; jax 0.10.2's interpreter needs two test-side patches
+for it, ``jax_rpa_interpret.py``, and a test pins that the stock one still fails). Lowering: both kernels lowered for
 TPU from this CPU machine at Llama-3-8B and SmolLM2 shapes hold one ``tpu_custom_call``
 (Mosaic's layout passes run only in libtpu, on a TPU: not checked here).
 """
@@ -37,6 +38,7 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as j
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as jax_rpa
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention as jax_rpa_ref
 
+from jax_rpa_interpret import rpa_interpreter_patches
 from jaxpaged.pallas.tpu_common import default_pages_per_block
 from jaxpaged.pallas.tpu_paged_attention import auto_num_splits, tpu_paged_decode_attention
 from jaxpaged.pallas.tpu_ragged_paged_attention import default_block_q, tpu_ragged_paged_attention
@@ -181,28 +183,44 @@ def to_jax_rpa_layout(k, v):
     return kv.reshape(nb, bs, 2 * KVH, d)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_agrees_with_jax_ragged_paged_attention_semantics(dtype):
-    """JAX's RPA module's own oracle, on the same pool contents converted to its layout.
+RPA_CASES = [dict(block_size=16, ratio=3, dtype=jnp.float32), dict(block_size=64, ratio=8, dtype=jnp.float32),
+             dict(block_size=16, ratio=3, dtype=jnp.bfloat16), dict(block_size=8, ratio=4, dtype=jnp.bfloat16)]
 
-    JAX's RPA *kernel* does not run on CPU in jax 0.10.2 (see the next test), so its
-    oracle stands in for it: this pins the layout conversion and the shared semantics
-    (queries are the last tokens of the context, causal, kv_lens include the chunk)."""
-    (q, k, v, layer, tables, lens, qsl), _ = ragged_case(7, block_size=16, ratio=3, head_dim=128, dtype=dtype)
+
+@pytest.mark.parametrize("case", RPA_CASES, ids=lambda c: f"bs{c['block_size']}-r{c['ratio']}-"
+                                                          f"{jnp.dtype(c['dtype']).name}")
+def test_ragged_agrees_with_jax_ragged_paged_attention_kernel(case):
+    """JAX's RPA kernel and ours, both in TPU interpret mode (NaN-filled scratch), on the same
+    pool contents converted to its layout; both against JAX's RPA oracle too.
+
+    Its kernel needs head_dim a multiple of 128 and ``kv_len >= 1`` for every sequence below
+    ``num_seqs`` (a zero-length row in the middle leaves its prefetch chain one transfer
+    behind and the next sequence reads the null page): it gets the batch without the
+    zero-length padding row, which computes the same tokens."""
+    (q, k, v, layer, tables, lens, qsl), _ = ragged_case(7, head_dim=128, **case)
+    keep = np.asarray(lens) > 0
+    their_meta = (jnp.asarray(np.asarray(lens)[keep]), jnp.asarray(np.asarray(tables)[keep]),
+                  jnp.asarray(np.concatenate([[0], np.cumsum(np.diff(np.asarray(qsl))[keep])]), jnp.int32),
+                  jnp.array([int(keep.sum())], jnp.int32))
+    kv = to_jax_rpa_layout(k, v)
+    with rpa_interpreter_patches(), pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(uninitialized_memory="nan")):
+        theirs = jax_rpa(q, kv, *their_meta, sm_scale=0.1, num_kv_pages_per_block=PPB,
+                         num_queries_per_block=8).block_until_ready()
+    ours = tpu_ragged_paged_attention(q, k, v, layer, tables, lens, qsl, scale=0.1, block_q=8, pages_per_block=PPB)
     # Its oracle loops over sequences in Python: with the metadata as numpy constants it
     # traces into one jitted computation (op-by-op it compiles every op, ~10 s).
-    meta = [np.asarray(x) for x in (lens, tables, qsl)] + [np.array([tables.shape[0]], np.int32)]
-    theirs = jax.jit(lambda q, kv: jax_rpa_ref(q, kv, *meta, sm_scale=0.1))(q, to_jax_rpa_layout(k, v))
-    ours = tpu_ragged_paged_attention(q, k, v, layer, tables, lens, qsl, scale=0.1, block_q=8,
-                                      pages_per_block=PPB)
-    assert_matches(ours[:int(qsl[-1])], theirs, dtype)  # theirs has no padding rows
+    meta = [np.asarray(x) for x in their_meta]
+    oracle = jax.jit(lambda q, kv: jax_rpa_ref(q, kv, *meta, sm_scale=0.1))(q, kv)
+    n = int(qsl[-1])
+    assert_matches(ours[:n], theirs[:n], case["dtype"])
+    assert_matches(theirs[:n], oracle, case["dtype"])
+    assert_matches(ours[:n], oracle, case["dtype"])
 
 
-def test_jax_ragged_paged_attention_kernel_cannot_run_in_tpu_interpret_mode():
-    """Why the comparison above uses JAX's oracle: the TPU interpreter of jax 0.10.2 (and of
-    0.11.2, tried on Python 3.12) cannot read through a reshaped ref, which JAX's RPA kernel
-    does for its interleaved K/V buffer. When this starts failing, compare with the kernel
-    itself instead."""
+def test_jax_ragged_paged_attention_kernel_needs_the_patched_interpreter():
+    """The stock TPU interpreter of jax 0.10.2 (and of 0.11.2, tried on Python 3.12) cannot
+    read through a reshaped ref, which JAX's RPA kernel does for its interleaved K/V
+    buffer. When this starts failing, drop ``jax_rpa_interpret``'s patches."""
     (q, k, v, layer, tables, lens, qsl), _ = ragged_case(7, block_size=16, ratio=3, head_dim=128,
                                                          dtype=jnp.float32)
     with pytest.raises(Exception, match="ReshapeTransform"), pltpu.force_tpu_interpret_mode():
