@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -51,6 +52,9 @@ class Batch:
     prompt_lp_targets: np.ndarray  # [P] int32 the next prompt token, scored at that index
     prompt_lp_rows: list[PromptLogprobRows]
     num_tokens: int  # real tokens, before padding
+    # [T] int32: -1, or for a token the host does not know yet (async scheduling) the row of
+    # the previous step's sampled tokens that holds it. None when every token is known.
+    token_src: np.ndarray | None = None
 
     @property
     def shape_key(self) -> tuple:
@@ -59,10 +63,14 @@ class Batch:
                 self.logits_indices.shape[0] + self.prompt_lp_indices.shape[0], self.decode_only)
 
 
-def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8) -> Batch:
+def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8,
+                pending_rows: Mapping[int, int] | None = None) -> Batch:
     """Padded arrays for one step, from what the scheduler decided (block tables included).
 
     The scheduler's block moves (``out.block_ops``) are the runner's to apply, before the step.
+    ``pending_rows`` maps a sequence id to the row of the previous step that sampled its
+    pending token (async scheduling); a chunk may end with that token, and ``token_src``
+    says where the device finds it.
     """
     sched = out.scheduled
     num_seqs = len(sched)
@@ -90,8 +98,23 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     tok_seq = np.repeat(np.arange(num_seqs), counts)  # sequence of each real token
     pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_seqs] - starts, counts)
     tokens = np.zeros(T, np.int32)
-    tokens[:num_tokens] = np.fromiter(itertools.chain.from_iterable(
-        s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in sched), np.int32, num_tokens)
+    known = np.fromiter(itertools.chain.from_iterable(
+        s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in sched), np.int32)
+    token_src = None
+    if len(known) == num_tokens:
+        tokens[:num_tokens] = known
+    else:  # chunks that end with a pending token: one per sequence at most, the last of its chunk
+        lens = np.fromiter((len(s.seq.token_ids) for s in sched), np.int32, num_seqs)
+        missing = np.flatnonzero(starts + counts > lens)
+        if (starts + counts - lens)[missing].max() > 1 or pending_rows is None:
+            s = sched[missing[0]]
+            raise IndexError(f"positions [{s.start}, {s.start + s.num_new_tokens}) of sequence {s.seq.seq_id!r}; "
+                             f"the host knows {len(s.seq.token_ids)} of its tokens")
+        is_known = np.ones(num_tokens, bool)
+        is_known[qsl[missing + 1] - 1] = False
+        tokens[:num_tokens][is_known] = known
+        token_src = np.full(T, -1, np.int32)
+        token_src[qsl[missing + 1] - 1] = [pending_rows[sched[i].seq.seq_id] for i in missing]
     positions = np.zeros(T, np.int32)
     positions[:num_tokens] = pos
     # A chunk past the slots the block manager reserved would write into someone else's
@@ -134,4 +157,4 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
         pi[:num_lp] = np.concatenate(lp_idx)
         pt[:num_lp] = np.concatenate(lp_tgt)
     return Batch(tokens, positions, slots, block_tables, context_lens, qsl, decode_only, li, rows,
-                 pi, pt, lp_rows, num_tokens)
+                 pi, pt, lp_rows, num_tokens, token_src)

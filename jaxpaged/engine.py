@@ -61,6 +61,9 @@ class LLM:
       tensor_parallel_size: shard the model and the KV pool over this many devices (a
         ``"tp"`` mesh; the KV heads must divide evenly). See :mod:`jaxpaged.sharding`,
         also for several hosts. A loaded model is resharded to this size.
+      async_scheduling: schedule and launch each step while the device runs the previous
+        one (vLLM's ``async_scheduling``): the host's work hides behind the device's; the
+        tokens are the same (:mod:`jaxpaged.engine_core`).
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int = 16,
@@ -68,10 +71,10 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
-                 kv_allocator: str = "paged", tensor_parallel_size: int = 1):
+                 kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = False):
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
-                          attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size)
+                          attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling)
         if isinstance(model, LoadedModel):
             lm = model
             if attention_backend != lm.model.attention_backend:
@@ -102,7 +105,8 @@ class LLM:
         self.runner = ModelRunner(lm.model, num_blocks=num_blocks, block_size=block_size,
                                   max_model_len=self.max_model_len, eos_ids=self.eos_ids,
                                   num_host_blocks=self.bm.num_host_blocks)
-        self.core = EngineCore(self.scheduler, self.runner, debug_checks=debug_checks)
+        self.core = EngineCore(self.scheduler, self.runner, debug_checks=debug_checks,
+                               async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
                                      check_request=self.scheduler.check_request, seed=seed)
         self.outputs = OutputProcessor(self.tokenizer)

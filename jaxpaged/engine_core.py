@@ -1,25 +1,44 @@
 """The engine core: validated requests in, one step at a time, changed requests out. No jax here.
 
-A step is ``scheduler.schedule()`` → ``runner.execute()`` → ``scheduler.update_from_output()``.
-The core only moves data between the scheduler (which owns every request's lifecycle)
-and a runner: the model runner, or any object that returns sampled tokens for a
-``SchedulerOutput`` (the benchmark scripts simulate memory and concurrency with one that
-runs no model).
+A step is ``scheduler.schedule()`` → ``runner.dispatch()`` → ``runner.collect()`` →
+``scheduler.update_from_output()``. The core only moves data between the scheduler (which
+owns every request's lifecycle) and a runner: the model runner, or any object that returns
+sampled tokens for a ``SchedulerOutput`` (the benchmark scripts simulate memory and
+concurrency with one that runs no model, the tests check paging with another).
+
+With ``async_scheduling`` the host works while the device computes, as in vLLM V1's async
+scheduling: each ``step()`` schedules and dispatches step N+1 while step N runs, then
+collects step N and applies it. Step N+1 reads the tokens step N sampled on the device;
+the scheduler learns them (and so stops) one step late and drops the one extra token a
+finished sequence may get. Tokens are the synchronous loop's. A step whose rows fork
+samples or rank beams is not overlapped: the next step needs the new sequences.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from jaxpaged.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from jaxpaged.sequence import Request
 
 
 class Runner(Protocol):
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Apply ``out.block_ops``, run the scheduled chunks, sample ``num_samples`` rows each."""
+    def dispatch(self, out: SchedulerOutput, prev: Any = None) -> Any:
+        """Apply ``out.block_ops`` and start the scheduled chunks; a handle for ``collect``, or
+        None when nothing is scheduled. ``prev``: the previous step's handle when it has not
+        been collected (its rows hold the pending tokens this step reads)."""
+
+    def collect(self, step: Any) -> RunnerOutput:
+        """Wait for a dispatched step: ``num_samples`` sampled rows per scheduled chunk."""
+
+
+@dataclasses.dataclass
+class _InFlight:
+    out: SchedulerOutput
+    handle: Any  # the runner's, None when nothing ran
+    ahead: bool  # scheduled while the step before was still running
 
 
 @dataclasses.dataclass
@@ -35,17 +54,22 @@ class EngineCore:
       scheduler: owns the queues, the KV allocator and every change to a request.
       runner: executes scheduled steps.
       debug_checks: check the allocator's invariants after every step.
+      async_scheduling: schedule and dispatch each step while the previous one runs.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, *, debug_checks: bool = False):
+    def __init__(self, scheduler: Scheduler, runner: Runner, *, debug_checks: bool = False,
+                 async_scheduling: bool = False):
         self.scheduler = scheduler
         self.runner = runner
         self.debug_checks = debug_checks
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.num_steps = 0  # steps that ran the model
+        self.num_steps_ahead = 0  # of which scheduled while the previous step ran (async scheduling)
         self.peak_kv_utilization = 0.0
         self.timers = Timers()
-        self.last: SchedulerOutput | None = None  # the last step's decision (benchmarks read it)
+        self.last: SchedulerOutput | None = None  # the decision of the step last applied (benchmarks read it)
 
     def add(self, req: Request) -> None:
         """Queue a request that ``InputProcessor`` validated."""
@@ -63,19 +87,34 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or a dispatched step to collect."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def _dispatch(self, prev: Any = None) -> _InFlight:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.timers.schedule += time.perf_counter() - t0
+        handle = self.runner.dispatch(out, prev) if out.scheduled or out.block_ops else None
+        return _InFlight(out, handle, prev is not None)
 
     def step(self) -> list[Request]:
-        """One iteration; returns the requests it changed (finished ones are forgotten)."""
-        t0 = time.perf_counter()
-        out = self.last = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        result = self.runner.execute(out) if out.scheduled or out.block_ops else RunnerOutput(None)
+        """One iteration; returns the requests it changed (finished ones are forgotten).
+
+        Synchronous: schedule, run, apply. Async: apply the step the previous call
+        dispatched, after dispatching the next one."""
+        cur = self._inflight or self._dispatch()
+        self._inflight = None
+        if self.async_scheduling and cur.handle is not None and cur.out.can_overlap:
+            self._inflight = self._dispatch(prev=cur.handle)
+        result = self.runner.collect(cur.handle) if cur.handle is not None else RunnerOutput(None)
         t2 = time.perf_counter()
+        out = self.last = cur.out
         changed = self.scheduler.update_from_output(out, result)
-        if self.scheduler.has_unfinished() and not out.scheduled and not out.finished:
+        # A step scheduled ahead may be empty: every running request waited for its tokens.
+        if not cur.ahead and self.scheduler.has_unfinished() and not out.scheduled and not out.finished:
             raise RuntimeError("the scheduler made no progress (a bug: see the guarantees in scheduler.py)")
         self.num_steps += bool(out.scheduled)
+        self.num_steps_ahead += bool(out.scheduled) and cur.ahead
         stats = self.scheduler.kv.stats()
         if stats.slots_allocated:
             self.peak_kv_utilization = max(self.peak_kv_utilization, stats.utilization)
@@ -84,7 +123,5 @@ class EngineCore:
         for req in changed:
             if req.finished:
                 self.requests.pop(req.request_id, None)
-        t3 = time.perf_counter()
-        self.timers.schedule += t1 - t0
-        self.timers.update += t3 - t2
+        self.timers.update += time.perf_counter() - t2
         return changed

@@ -1,10 +1,15 @@
 """The device side of the engine: the KV pool, the jitted step, and block moves.
 
-This is the only module where host state becomes device arrays. ``execute`` takes what
+This is the only module where host state becomes device arrays. ``dispatch`` takes what
 the scheduler decided, applies its block moves (copy-on-write copies, swaps), builds the
-padded batch and the sampling metadata, runs the model over the batch with the pool
-donated (so XLA updates it in place), samples from the logits on the device, and
-returns only the sampled tokens and the requested logprobs, as numpy.
+padded batch and the sampling metadata, and launches the model over the batch with the
+pool donated (so XLA updates it in place) and the sampler on its logits; JAX dispatch is
+asynchronous, so it returns while the device works. ``collect`` waits for the step and
+returns only the sampled tokens and the requested logprobs, as numpy. ``execute`` is the
+two in a row.
+
+Async scheduling dispatches step N+1 before collecting step N: tokens the host has not
+seen yet stay on the device, and the next step reads them from step N's sampled rows.
 
 Under tensor parallelism the params and the pool arrive sharded (:mod:`jaxpaged.sharding`)
 and ``_forward`` compiles for those input shardings; its pool output leaves the model's
@@ -13,11 +18,13 @@ and ``_forward`` compiles for those input shardings; its pool output leaves the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -58,10 +65,26 @@ def _sample(logits, sm, prompt_lp_targets, *, num_logprobs: int, num_prompt_logp
     return out, prompt_lp
 
 
+@jax.jit
+def _fill_pending(tokens, token_src, prev_tokens):
+    """``tokens`` with each pending token (``token_src >= 0``) taken from the previous step's samples."""
+    return jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
+
+
 # Module level, so engines over the same model share compilations.
 _jit_gather = jax.jit(gather_blocks)
 _jit_scatter = jax.jit(scatter_blocks, donate_argnums=(0,))
 _jit_copy = jax.jit(copy_blocks, donate_argnums=(0,))
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step: its batch and its outputs, still on the device."""
+
+    batch: Batch
+    sampled: object  # SamplerOutput of device arrays
+    prompt_logprobs: object  # (logprobs, ranks, top ids, top logprobs) device arrays, or None
+    rows: dict[int, int]  # sequence id -> the row that sampled its pending token
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -77,7 +100,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.eos_ids = eos_ids
-        self.time_batch = self.time_device = 0.0  # seconds spent building batches / in the device step
+        self.time_batch = 0.0  # seconds spent building and launching steps
+        self.time_device = 0.0  # seconds spent waiting for the device
         self.graphdef, self.params = nnx.split(model)
         self.dtype = dtype or model.dtype
         self.mesh = model.mesh
@@ -146,13 +170,25 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled step: block moves, the model, sampling. Returns numpy results."""
+        return self.collect(self.dispatch(out))
+
+    def dispatch(self, out: SchedulerOutput, prev: InFlight | None = None) -> InFlight | None:
+        """Apply the block moves and launch the step; None when nothing is scheduled.
+
+        ``prev``: the step before, when it has not been collected yet (async scheduling);
+        the tokens it sampled are this step's pending inputs.
+        """
         t0 = time.perf_counter()
         self.apply_block_ops(out.block_ops)
         if not out.scheduled:
-            return RunnerOutput(None)
-        batch = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
+            return None
+        batch = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+                            pending_rows=prev.rows if prev is not None else None)
+        # A sampling chunk ends at the sequence's last token, pending ones included, and the
+        # scheduler has just advanced num_computed_tokens to that end.
         rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
-                            r.seq.request.prompt_token_ids, r.seq.output_token_ids) for r in batch.rows]
+                            r.seq.request.prompt_token_ids, r.seq.output_token_ids,
+                            r.seq.num_computed_tokens - r.seq.num_prompt_tokens) for r in batch.rows]
         sm, num_logprobs, use_penalties = build_sampling_metadata(rows, len(batch.logits_indices), self.vocab_size,
                                                                   self.eos_ids)
         # Beam search ranks each beam's top 2 * width continuations.
@@ -161,20 +197,34 @@ class ModelRunner:
         num_logprobs = min(bucket(max(num_logprobs, beam_k)) if max(num_logprobs, beam_k) else 0, self.vocab_size)
         num_prompt_lp = max((r.seq.request.params.prompt_logprobs for r in batch.prompt_lp_rows), default=0)
         num_prompt_lp = min(bucket(num_prompt_lp), MAX_LOGPROBS) if num_prompt_lp else 0
-        t1 = time.perf_counter()
-        sampled, prompt_lp = self._run(batch, sm, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_lp,
-                                       use_penalties=use_penalties)
-        self.time_batch += t1 - t0
-        self.time_device += time.perf_counter() - t1
+        tokens = batch.tokens
+        if batch.token_src is not None:
+            self.compiled_shapes.add(("fill", len(tokens), len(prev.sampled.tokens)))
+            tokens = _fill_pending(tokens, batch.token_src, prev.sampled.tokens)
+        sampled, prompt_lp = self._launch(batch, tokens, sm, num_logprobs=num_logprobs,
+                                          num_prompt_logprobs=num_prompt_lp, use_penalties=use_penalties)
+        for x in jax.tree.leaves((sampled, prompt_lp)):
+            x.copy_to_host_async()  # the host needs them next; start the transfer now
+        self.time_batch += time.perf_counter() - t0
+        return InFlight(batch, sampled, prompt_lp, {r.seq.seq_id: i for i, r in enumerate(batch.rows)})
+
+    def collect(self, step: InFlight | None) -> RunnerOutput:
+        """Wait for a dispatched step; its sampled rows and prompt logprobs as numpy."""
+        if step is None:
+            return RunnerOutput(None)
+        t0 = time.perf_counter()
+        sampled, prompt_lp = jax.device_get((step.sampled, step.prompt_logprobs))
+        self.time_device += time.perf_counter() - t0
         chunks, i = [], 0
-        for group in batch.prompt_lp_rows:
+        for group in step.batch.prompt_lp_rows:
             lps, ranks, top_ids, top_lps = (x[i:i + group.count] for x in prompt_lp)
             chunks.append(PromptLogprobs(group.seq.request, group.start, lps, ranks, top_ids, top_lps))
             i += group.count
         return RunnerOutput(sampled, chunks)
 
-    def _run(self, batch: Batch, sm, *, num_logprobs: int, num_prompt_logprobs: int, use_penalties: bool):
-        """Run one step; returns (SamplerOutput, prompt logprobs or None) as numpy."""
+    def _launch(self, batch: Batch, tokens, sm, *, num_logprobs: int, num_prompt_logprobs: int,
+                use_penalties: bool):
+        """Launch the model and the sampler; (SamplerOutput, prompt logprobs or None) on the device."""
         md = AttentionMetadata(
             positions=batch.positions, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
             context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
@@ -185,10 +235,9 @@ class ModelRunner:
         self.compiled_shapes.add(("sample", len(batch.logits_indices), len(batch.prompt_lp_indices), num_logprobs,
                                   num_prompt_logprobs, use_penalties, tuple(np.shape(x) for x in jax.tree.leaves(sm)),
                                   jax.tree.structure(sm)))
-        logits, self.kv = _forward(self.graphdef, self.params, self.kv, batch.tokens, md, idx)
-        out, prompt_lp = _sample(logits, sm, batch.prompt_lp_targets, num_logprobs=num_logprobs,
-                                 num_prompt_logprobs=num_prompt_logprobs, use_penalties=use_penalties)
-        return jax.device_get((out, prompt_lp))
+        logits, self.kv = _forward(self.graphdef, self.params, self.kv, tokens, md, idx)
+        return _sample(logits, sm, batch.prompt_lp_targets, num_logprobs=num_logprobs,
+                       num_prompt_logprobs=num_prompt_logprobs, use_penalties=use_penalties)
 
 
 def _padded_pairs(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -407,6 +407,10 @@ class SamplingRow(NamedTuple):
     #            children of one request need distinct seeds. Used modulo 2**64.
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # Tokens generated before the one this row draws; None: len(output_token_ids). More when
+    # some are still on the device (async scheduling): they count for the noise position
+    # and min_tokens, and such a row cannot have penalties.
+    num_output_tokens: int | None = None
 
 
 # Id lists (banned, bias, penalty ids) are 0 wide when no row has any, else a power of two
@@ -466,19 +470,23 @@ def build_sampling_metadata(
     # What jax.random.key(seed) holds (x64): the high and low 32 bits.
     rng_key[:n, 0], rng_key[:n, 1] = seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)
     output_pos = np.zeros(num_rows, np.int32)
-    output_pos[:n] = np.fromiter((len(r.output_token_ids) for r in rows), np.int32, n)
+    num_outputs = [len(r.output_token_ids) if r.num_output_tokens is None else r.num_output_tokens for r in rows]
+    output_pos[:n] = num_outputs
     for p in uniq:
         if bad := [t for t in (p.logit_bias or {}) if t >= vocab_size]:
             raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary (size {vocab_size})")
-    penalised = [p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1 for p in uniq]
+    penalised = [p.has_penalties for p in uniq]
     use_penalties = any(penalised)
     prompts, outputs, biases, banned = [], [], [], []
-    for r, u in zip(rows, which.tolist()):
+    for r, u, num_outputs in zip(rows, which.tolist(), num_outputs):
         p = r.params
+        if penalised[u] and num_outputs != len(r.output_token_ids):
+            raise ValueError(f"penalties need every output token on the host; the row has {len(r.output_token_ids)} "
+                             f"of {num_outputs}")
         prompts.append(r.prompt_token_ids if p.repetition_penalty != 1 else ())
         outputs.append(r.output_token_ids if penalised[u] else ())
         biases.append(p.logit_bias or {})
-        stops = dict.fromkeys([*eos_ids, *p.stop_token_ids]) if len(r.output_token_ids) < p.min_tokens else {}
+        stops = dict.fromkeys([*eos_ids, *p.stop_token_ids]) if num_outputs < p.min_tokens else {}
         banned.append([t for t in stops if 0 <= t < vocab_size])
     bias_ids = _padded_ids([list(b) for b in biases], num_rows)
     bias_values = np.zeros(bias_ids.shape, np.float32)

@@ -213,6 +213,12 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @property
+    def has_penalties(self) -> bool:
+        """True when sampling depends on the tokens generated so far (repetition, presence or
+        frequency penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
     def max_num_logprobs(self) -> int:
         """The most top log-probabilities this request asks for at any position (0 if none)."""
         return max(self.logprobs or 0, self.prompt_logprobs or 0)

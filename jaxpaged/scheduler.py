@@ -91,6 +91,13 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before this one's tokens reach the host:
+        not when a row forks (the first token of ``n > 1``) or ranks beams, whose new
+        sequences only exist once the host has seen the tokens."""
+        return not any(s.num_samples > 1 or s.seq.request.is_beam_search for s in self.scheduled)
+
 
 class SampledRows(Protocol):
     """What a step sampled, one row per ``num_samples`` of each scheduled sequence, in order."""
@@ -141,6 +148,7 @@ class Scheduler:
         self._forks = 0  # forks this step's samples will make (contiguous regions to keep)
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0  # total over the run
+        self.num_dropped_tokens = 0  # sampled for sequences that had finished meanwhile (async scheduling)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -180,6 +188,9 @@ class Scheduler:
             req = self.running[i]
             if budget < len(req.live_seqs()):
                 break  # budget spent; later requests wait one step (they keep their blocks)
+            if self._waits_for_tokens(req):
+                i += 1
+                continue
             plan = self._plan(req, budget)
             if not self._reserve(req, plan, out):
                 continue  # req was preempted or finished; running[i] is the next one
@@ -190,22 +201,40 @@ class Scheduler:
         for s in out.scheduled:
             s.block_table = self.kv.block_table(s.seq.seq_id)
             s.num_slots = self.kv.num_tokens(s.seq.seq_id)
+            # Computed as far as the host is concerned: the step is decided and runs before
+            # any later one, so the next schedule() may start where this one ends.
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            if s.samples:
+                s.seq.num_pending += 1  # 2 while the step before this one is still running
         return out
+
+    def _waits_for_tokens(self, req: Request) -> bool:
+        """Whether ``req`` sits this step out because a token it sampled is still on the device
+        (async scheduling) and this step would need it on the host: to fork samples or rank
+        beams, to count it in penalties, or because it ends ``req`` by length anyway."""
+        live = req.live_seqs()
+        if not any(s.num_pending for s in live):
+            return False
+        p = req.params
+        if req.is_beam_search or (p.n > 1 and live[0].num_output_tokens == 0) or p.has_penalties:
+            return True
+        return any(s.num_tokens >= self.max_model_len or
+                   (p.max_tokens is not None and s.num_output_tokens + s.num_pending >= p.max_tokens) for s in live)
 
     def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int, int]]:
         """Next tokens of each live sequence, so that all of them reach a common end position."""
         live = req.live_seqs()
-        end = min(len(live[0].token_ids), min(s.num_computed_tokens for s in live) + budget // len(live))
+        end = min(live[0].num_tokens, min(s.num_computed_tokens for s in live) + budget // len(live))
         return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live if end > s.num_computed_tokens]
 
     def _num_forks(self, req: Request, plan) -> int:
-        samples = any(start + n == len(seq.token_ids) for seq, start, n in plan)
+        samples = any(start + n == seq.num_tokens for seq, start, n in plan)
         return req.max_live_seqs - len(req.live_seqs()) if samples else 0
 
     def _add(self, out: SchedulerOutput, req: Request, plan) -> int:
         fan_out = req.params.n if not req.is_beam_search and req.seqs[0].num_output_tokens == 0 else 1
         for seq, start, n in plan:
-            out.scheduled.append(ScheduledSeq(seq, start, n, fan_out if start + n == len(seq.token_ids) else 0))
+            out.scheduled.append(ScheduledSeq(seq, start, n, fan_out if start + n == seq.num_tokens else 0))
         return sum(n for _, _, n in plan)
 
     def _reserve(self, req: Request, plan, out: SchedulerOutput) -> bool:
@@ -287,6 +316,7 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, out: SchedulerOutput):
         """Allocate every live sequence of a waiting request and plan its first chunk, or None."""
         live = req.live_seqs()
+        assert not any(s.num_pending for s in live), "admitted before its tokens reached the host"
         try:
             self.kv.check_fits(len(live[0].token_ids), len(live))
         except ValueError as e:  # grown past the pool while it ran, then preempted
@@ -378,20 +408,35 @@ class Scheduler:
     # ---- applying a step's results --------------------------------------------------
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Apply what the step computed and sampled; returns the requests it changed."""
-        touched = {r.request_id: r for r in [*out.preempted, *out.finished]}
+        """Apply what the step computed and sampled; returns the requests it changed.
+
+        With async scheduling the next step has been scheduled already: a request may have
+        been aborted, finished or preempted since ``out`` was decided. The tokens of finished
+        ones are dropped (the one extra token a finished sequence may get); preempted ones
+        keep theirs.
+        """
+        # A request preempted while deciding ``out`` may have finished since (async scheduling).
+        touched = {r.request_id: r for r in [*out.preempted, *out.finished] if r in out.finished or not r.finished}
         for s in out.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.kv.mark_computed(s.seq.seq_id, s.seq.num_computed_tokens, s.seq.token_ids)
-            touched[s.seq.request.request_id] = s.seq.request
+            seq, req = s.seq, s.seq.request
+            if seq.finished:
+                continue
+            touched[req.request_id] = req
+            if req.status is RequestStatus.RUNNING:  # its blocks are on the device
+                # Only positions whose token the host knows can be hashed for the prefix cache.
+                self.kv.mark_computed(seq.seq_id, min(seq.num_computed_tokens, len(seq.token_ids)), seq.token_ids)
         for chunk in result.prompt_logprobs:
-            self._record_prompt_logprobs(chunk)
+            if not chunk.request.finished:
+                self._record_prompt_logprobs(chunk)
         row = 0
         now = time.monotonic()
         for req, entries in itertools.groupby(out.scheduled, key=lambda s: s.seq.request):
             rows = []
             for s in entries:
-                rows += [(s.seq, row + k) for k in range(s.num_samples)]
+                if s.seq.finished:
+                    self.num_dropped_tokens += s.num_samples
+                else:
+                    rows += [(s.seq, row + k) for k in range(s.num_samples)]
                 row += s.num_samples
             if not rows:
                 continue
@@ -417,6 +462,7 @@ class Scheduler:
 
     def _append(self, seq: Sequence, sampled: SampledRows, row: int) -> None:
         """Append row ``row``'s token to ``seq``; apply the stop rule; free the sequence if it ended."""
+        seq.num_pending -= 1
         token, logprob = int(sampled.tokens[row]), float(sampled.logprobs[row])
         stop_string = seq.append(token, logprob, self._entry(seq.request, sampled, row, token, int(sampled.ranks[row]),
                                                              logprob))
@@ -425,7 +471,8 @@ class Scheduler:
                           max_model_len=self.max_model_len)
         if stop is not None:
             seq.finish_reason, seq.stop_reason = stop
-            self.kv.free(seq.seq_id)
+            if seq.seq_id in self.kv:  # not when preempted by recompute while its token was pending
+                self.kv.free(seq.seq_id)
 
     @staticmethod
     def _entry(req: Request, sampled: SampledRows, row: int, token: int, rank: int, logprob: float):
@@ -440,6 +487,8 @@ class Scheduler:
 
     def _step_beams(self, req: Request, rows: list[tuple[Sequence, int]], sampled: SampledRows) -> None:
         beam, k = req.beam, 2 * req.beam.width
+        for seq, _ in rows:
+            seq.num_pending -= 1
         cands = beam.top_candidates([(seq, sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())
                                      for seq, i in rows])
         row_of = {id(seq): i for seq, i in rows}

@@ -27,9 +27,12 @@ _seq_ids = itertools.count()
 class Sequence:
     """One stream of tokens: the prompt plus one sample's (or beam's) output.
 
-    ``num_computed_tokens`` counts the positions whose K/V the device has written; the
-    scheduler computes the rest. Preemption by recompute resets it to 0. Only the
-    scheduler changes a sequence after it is created.
+    ``num_computed_tokens`` counts the positions whose K/V the device has written, or will
+    have written once the steps already scheduled have run; the scheduler computes the rest.
+    Preemption by recompute resets it to 0. ``num_pending`` counts tokens that scheduled
+    steps sample and the host has not seen yet: with async scheduling the next step is
+    scheduled before the previous one's tokens reach the host. Only the scheduler changes a sequence after it is
+    created.
     """
 
     def __init__(self, request: Request, index: int, token_ids: list[int]):
@@ -38,6 +41,7 @@ class Sequence:
         self.index = index
         self.token_ids = token_ids
         self.num_computed_tokens = 0
+        self.num_pending = 0
         self.cumulative_logprob = 0.0
         self.logprobs: list[PositionLogprobs] = []
         self.finish_reason: FinishReason | None = None
@@ -57,8 +61,13 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens including the pending one: where the next step starts."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def finished(self) -> bool:
@@ -75,6 +84,7 @@ class Sequence:
     def fork(self, index: int) -> Sequence:
         child = Sequence(self.request, index, list(self.token_ids))
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_pending = self.num_pending
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         child.detok = self.detok.fork() if self.detok is not None else None

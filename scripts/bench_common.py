@@ -664,7 +664,10 @@ class ConstantRunner:
     ignored), so memory, concurrency and preemption are exactly the engine's.
     """
 
-    def execute(self, out):
+    def dispatch(self, out, prev=None):
+        return out
+
+    def collect(self, out):
         from jaxpaged.scheduler import RunnerOutput
         from jaxpaged.sampler import SamplerOutput
 

@@ -80,7 +80,8 @@ def alone_engine(model, oracle: bool):
 def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
     alone = alone_engine(model, oracle)
     totals = dict(requests=0, finished=0, aborted=0, rejected=0, compared=0, preemptions=0, swapped_blocks=0,
-                  cut=0, forks=0, beams=0, stopped_by_string=0, contiguous=0)
+                  cut=0, forks=0, beams=0, stopped_by_string=0, contiguous=0, async_rounds=0, steps_ahead=0,
+                  dropped_tokens=0)
     for seed in rounds:
         rnd = traffic.make_round(seed, num_requests=num_requests, vocab_size=model.config.vocab_size,
                                  any_geometry=oracle)
@@ -96,6 +97,9 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
         totals["preemptions"] += res.num_preemptions
         totals["swapped_blocks"] += res.num_swapped_out_blocks
         totals["contiguous"] += rnd.engine["kv_allocator"] == "contiguous"
+        totals["async_rounds"] += rnd.engine["async_scheduling"]
+        totals["steps_ahead"] += res.num_steps_ahead
+        totals["dropped_tokens"] += res.num_dropped_tokens
         for a, o in res.finished:
             totals["cut"] += any(c.finish_detail for c in o.outputs)
             totals["forks"] += a.params.n > 1 and not a.params.use_beam_search
@@ -108,7 +112,7 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
 
 # The traffic really reached what it is meant to test.
 COVERAGE = ("aborted", "rejected", "preemptions", "swapped_blocks", "cut", "forks", "beams", "stopped_by_string",
-            "contiguous")
+            "contiguous", "async_rounds", "steps_ahead", "dropped_tokens")
 
 
 def test_random_traffic_with_the_paging_oracle(tiny_engine_model):

@@ -1,7 +1,8 @@
 """Seeded random traffic through the public engine loop: ``add_request`` / ``step`` / ``abort``.
 
 A round draws an engine (pool geometry, block size, sequence and token limits, recompute or
-swap preemption with a small host pool, prefix caching, paged or contiguous allocator) and a
+swap preemption with a small host pool, prefix caching, paged or contiguous allocator, the
+synchronous or the async-scheduling loop) and a
 stream of requests (greedy, seeded ``n = 1..3`` sampling, beam search, stop strings,
 ``min_tokens`` with ``stop_token_ids``, logprobs, text and token-id prompts, shared prefixes,
 user-chosen ids that collide with automatic ones) arriving over the first steps, with aborts
@@ -50,6 +51,8 @@ class Result:
     num_preemptions: int
     max_live_seqs: int
     num_swapped_out_blocks: int = 0
+    num_steps_ahead: int = 0  # async scheduling: steps scheduled while the previous one ran
+    num_dropped_tokens: int = 0  # async scheduling: tokens sampled after their sequence had finished
 
 
 def _params(rng: np.random.Generator) -> SamplingParams:
@@ -89,6 +92,8 @@ def make_round(seed: int, *, num_requests: int, vocab_size: int, any_geometry: b
                   enable_prefix_caching=not contiguous and bool(rng.integers(2)),
                   preemption_mode="swap" if swap else "recompute", debug_checks=True, seed=seed,
                   kv_allocator="contiguous" if contiguous else "paged")
+    # Drawn apart, so the rest of a round's draws are those it had before this option existed.
+    engine["async_scheduling"] = bool(np.random.default_rng([seed, 1]).random() < 0.5)
     if swap:  # 4..40 host blocks: often too few, so swap falls back to recompute
         engine["swap_space"] = int(rng.integers(4, 41)) * 2 * 2 * 2 * 16 * 4 * block_size
     prefixes = [rng.integers(3, vocab_size, int(n)).tolist() for n in rng.integers(4, 24, 3)]
@@ -167,4 +172,6 @@ def run_round(model, rnd: Round, *, oracle: bool, max_steps: int = 5000) -> Resu
     llm.bm.check_invariants()
     res.num_preemptions = stats["num_preemptions"]
     res.num_swapped_out_blocks = stats["num_swapped_out_blocks"]
+    res.num_steps_ahead = llm.core.num_steps_ahead
+    res.num_dropped_tokens = llm.scheduler.num_dropped_tokens
     return res
