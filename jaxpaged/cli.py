@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model and KV cache over this many devices")
     e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
-    e.add_argument("--async-scheduling", action="store_true",
-                   help="schedule each step while the device runs the previous one")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="schedule each step only after the previous one finished (default: while it runs)")
     return e
 
 
@@ -56,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
                 attention_backend=args.attention_backend, seed=args.engine_seed,
-                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
+                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling)
 
 
 def build_parser() -> argparse.ArgumentParser:

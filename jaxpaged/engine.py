@@ -62,8 +62,9 @@ class LLM:
         ``"tp"`` mesh; the KV heads must divide evenly). See :mod:`jaxpaged.sharding`,
         also for several hosts. A loaded model is resharded to this size.
       async_scheduling: schedule and launch each step while the device runs the previous
-        one (vLLM's ``async_scheduling``): the host's work hides behind the device's; the
-        tokens are the same (:mod:`jaxpaged.engine_core`).
+        one (vLLM's ``async_scheduling``): the host's work hides behind the device's, and
+        the tokens are the synchronous loop's (:mod:`jaxpaged.engine_core`). False runs
+        one step at a time.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int = 16,
@@ -71,7 +72,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
-                 kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = False):
+                 kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True):
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling)

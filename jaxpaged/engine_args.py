@@ -58,7 +58,7 @@ class EngineArgs:
     debug_checks: bool = False
     kv_allocator: str = "paged"
     tensor_parallel_size: int = 1
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self):
         _check_int("block_size", self.block_size, 1)

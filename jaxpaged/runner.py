@@ -187,7 +187,8 @@ class ModelRunner:
         # A sampling chunk ends at the sequence's last token, pending ones included, and the
         # scheduler has just advanced num_computed_tokens to that end.
         rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
-                            r.seq.request.prompt_token_ids, r.seq.output_token_ids,
+                            r.seq.request.prompt_token_ids,
+                            r.seq.output_token_ids if r.seq.request.params.has_penalties else (),
                             r.seq.num_computed_tokens - r.seq.num_prompt_tokens) for r in batch.rows]
         sm, num_logprobs, use_penalties = build_sampling_metadata(rows, len(batch.logits_indices), self.vocab_size,
                                                                   self.eos_ids)

@@ -439,7 +439,8 @@ def build_sampling_metadata(
     ``MIN_ID_WIDTH``) and ``num_logprobs`` are rounded up to powers of two (``num_logprobs``
     capped at ``MAX_LOGPROBS``): slice each row's own ``params.logprobs`` columns from the output.
     """
-    rows = [SamplingRow(*r) for r in rows]
+    if rows and not isinstance(rows[0], SamplingRow):
+        rows = [SamplingRow(*r) for r in rows]
     if len(rows) > padded_rows:
         raise ValueError(f"{len(rows)} rows do not fit in padded_rows={padded_rows}")
     num_rows, n = padded_rows, len(rows)
@@ -478,7 +479,9 @@ def build_sampling_metadata(
     penalised = [p.has_penalties for p in uniq]
     use_penalties = any(penalised)
     prompts, outputs, biases, banned = [], [], [], []
-    for r, u, num_outputs in zip(rows, which.tolist(), num_outputs):
+    # Rows need id lists only for penalties, logit bias or min_tokens; usually none does.
+    lists = any(penalised) or any(p.logit_bias or p.min_tokens for p in uniq)
+    for r, u, num_outputs in zip(rows, which.tolist(), num_outputs) if lists else ():
         p = r.params
         if penalised[u] and num_outputs != len(r.output_token_ids):
             raise ValueError(f"penalties need every output token on the host; the row has {len(r.output_token_ids)} "
@@ -497,7 +500,7 @@ def build_sampling_metadata(
     top_k_bound = min(vocab_size, bucket(max_top_k)) if max_top_k else 0
     windowed = 0 < top_k_bound <= MAX_TOP_K_WINDOW  # a top_k row's nucleus lies in the window
     top_p_search = bool(np.any((top_p < 1) & ((top_k == 0) | (not windowed))))
-    num_logprobs = max((r.params.logprobs or 0 for r in rows), default=0)
+    num_logprobs = max((p.logprobs or 0 for p in uniq), default=0)
     num_logprobs = min(bucket(num_logprobs), MAX_LOGPROBS, vocab_size) if num_logprobs else 0
     sm = SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -508,6 +511,6 @@ def build_sampling_metadata(
         banned_ids=_padded_ids(banned, num_rows),
         rng_key=rng_key, output_pos=output_pos,
         top_k_bound=top_k_bound, top_p_search=top_p_search,
-        all_greedy=all(r.params.is_greedy for r in rows),
+        all_greedy=all(p.is_greedy for p in uniq),
     )
     return sm, num_logprobs, use_penalties

@@ -186,13 +186,18 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if budget < len(req.live_seqs()):
+            live = req.live_seqs()
+            if budget < len(live):
                 break  # budget spent; later requests wait one step (they keep their blocks)
-            if self._waits_for_tokens(req):
+            if self._waits_for_tokens(req, live):
                 i += 1
                 continue
-            plan = self._plan(req, budget)
-            if not self._reserve(req, plan, out):
+            plan = self._plan(live, budget)
+            reserved = self._reserve(req, plan, out)
+            if reserved is None:  # it would be cut, but a token it sampled is still pending
+                i += 1
+                continue
+            if not reserved:
                 continue  # req was preempted or finished; running[i] is the next one
             budget -= self._add(out, req, plan)
             i += 1
@@ -208,11 +213,10 @@ class Scheduler:
                 s.seq.num_pending += 1  # 2 while the step before this one is still running
         return out
 
-    def _waits_for_tokens(self, req: Request) -> bool:
+    def _waits_for_tokens(self, req: Request, live: list[Sequence]) -> bool:
         """Whether ``req`` sits this step out because a token it sampled is still on the device
         (async scheduling) and this step would need it on the host: to fork samples or rank
         beams, to count it in penalties, or because it ends ``req`` by length anyway."""
-        live = req.live_seqs()
         if not any(s.num_pending for s in live):
             return False
         p = req.params
@@ -221,13 +225,15 @@ class Scheduler:
         return any(s.num_tokens >= self.max_model_len or
                    (p.max_tokens is not None and s.num_output_tokens + s.num_pending >= p.max_tokens) for s in live)
 
-    def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int, int]]:
+    @staticmethod
+    def _plan(live: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
         """Next tokens of each live sequence, so that all of them reach a common end position."""
-        live = req.live_seqs()
         end = min(live[0].num_tokens, min(s.num_computed_tokens for s in live) + budget // len(live))
         return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live if end > s.num_computed_tokens]
 
     def _num_forks(self, req: Request, plan) -> int:
+        if req.params.n == 1 and not req.is_beam_search:
+            return 0
         samples = any(start + n == seq.num_tokens for seq, start, n in plan)
         return req.max_live_seqs - len(req.live_seqs()) if samples else 0
 
@@ -237,28 +243,33 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, start, n, fan_out if start + n == seq.num_tokens else 0))
         return sum(n for _, _, n in plan)
 
-    def _reserve(self, req: Request, plan, out: SchedulerOutput) -> bool:
+    def _reserve(self, req: Request, plan, out: SchedulerOutput) -> bool | None:
         """Reserve slots (and fork room) for ``plan``, preempting newer requests; False if
-        ``req`` itself was preempted or finished instead."""
+        ``req`` itself was preempted or finished instead, None if it must first learn its
+        pending tokens (see ``_make_room``)."""
         for seq, start, n in plan:
             extra = start + n - self.kv.num_tokens(seq.seq_id)
             while extra > 0 and not self.kv.can_append_slots(seq.seq_id, extra):
-                if not self._make_room(req, out):
-                    return False
+                if not (made := self._make_room(req, out)):
+                    return made
             if extra > 0:
                 out.block_ops += [("copy", a, b) for a, b in self.kv.append_slots(seq.seq_id, extra)]
         forks = self._num_forks(req, plan)
         while forks and not self.kv.can_fork(self._forks + forks):
-            if not self._make_room(req, out):
-                return False
+            if not (made := self._make_room(req, out)):
+                return made
         self._forks += forks
         return True
 
-    def _make_room(self, req: Request, out: SchedulerOutput) -> bool:
+    def _make_room(self, req: Request, out: SchedulerOutput) -> bool | None:
         """Preempt the newest running request. When that is ``req`` alone, nothing else holds
-        memory: it can never fit, so finish it. False when ``req`` is gone either way."""
+        memory: it can never fit, so finish it. False when ``req`` is gone either way; None
+        (nothing done) when it would be finished while a token it sampled is still on the
+        device (async scheduling): the cut waits a step, so it keeps every sampled token."""
         victim = self.running[-1]
         if victim is req and len(self.running) == 1:
+            if any(s.num_pending for s in req.live_seqs()):
+                return None
             live = req.live_seqs()
             self._finish_for_capacity(req, out, f"its {len(live)} sequence(s) of {len(live[0].token_ids)} tokens "
                                                 f"outgrew the KV pool ({self.kv.num_usable_blocks} blocks of "
@@ -296,7 +307,7 @@ class Scheduler:
 
     def _swap_in(self, req: Request, budget: int, out: SchedulerOutput):
         """Swap ``req`` in with its next chunk's slots, or None if that does not fit now."""
-        plan = self._plan(req, budget)
+        plan = self._plan(req.live_seqs(), budget)
         ends = {seq.seq_id: start + n for seq, start, n in plan}
         bs = self.kv.block_size
         need = sum(-(-max(self.kv.num_tokens(s.seq_id), ends.get(s.seq_id, 0)) // bs) for s in req.live_seqs())
@@ -330,7 +341,7 @@ class Scheduler:
             s.num_computed_tokens = self.kv.allocate(s.seq_id, s.token_ids, cache_salt=salt,
                                                      num_new_tokens=budget // len(live))
             allocated.append(s)
-        plan = self._plan(req, budget) if len(allocated) == len(live) else None
+        plan = self._plan(req.live_seqs(), budget) if len(allocated) == len(live) else None
         forks = self._num_forks(req, plan) if plan is not None else 0
         if plan is None or not self.kv.can_fork(self._forks + forks):
             for s in allocated:
@@ -430,6 +441,10 @@ class Scheduler:
                 self._record_prompt_logprobs(chunk)
         row = 0
         now = time.monotonic()
+        sampled = result.sampled
+        # Python scalars once for the whole step: numpy scalar reads cost ~100 ns each.
+        tokens, logprobs, ranks = (x.tolist() for x in (sampled.tokens, sampled.logprobs, sampled.ranks)) \
+            if sampled is not None else ((), (), ())
         for req, entries in itertools.groupby(out.scheduled, key=lambda s: s.seq.request):
             rows = []
             for s in entries:
@@ -443,14 +458,15 @@ class Scheduler:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.is_beam_search:
-                self._step_beams(req, rows, result.sampled)
+                self._step_beams(req, rows, sampled)
                 continue
             if len(rows) > 1 and rows[0][0] is rows[1][0]:  # the first token of n > 1: fork the samples
                 parent = rows[0][0]
                 req.seqs = [parent] + [self._fork(parent, k) for k in range(1, len(rows))]
                 rows = [(seq, i) for seq, (_, i) in zip(req.seqs, rows)]
             for seq, i in rows:
-                self._append(seq, result.sampled, i)
+                self._append(seq, tokens[i], logprobs[i],
+                             self._entry(req, sampled, i, tokens[i], ranks[i], logprobs[i]))
             if not req.live_seqs():
                 self._finish(req)
         return list(touched.values())
@@ -460,12 +476,10 @@ class Scheduler:
         self._pending_ops += [("copy", a, b) for a, b in self.kv.fork(parent.seq_id, child.seq_id)]
         return child
 
-    def _append(self, seq: Sequence, sampled: SampledRows, row: int) -> None:
-        """Append row ``row``'s token to ``seq``; apply the stop rule; free the sequence if it ended."""
+    def _append(self, seq: Sequence, token: int, logprob: float, entry) -> None:
+        """Append a sampled token to ``seq``; apply the stop rule; free the sequence if it ended."""
         seq.num_pending -= 1
-        token, logprob = int(sampled.tokens[row]), float(sampled.logprobs[row])
-        stop_string = seq.append(token, logprob, self._entry(seq.request, sampled, row, token, int(sampled.ranks[row]),
-                                                             logprob))
+        stop_string = seq.append(token, logprob, entry)
         stop = check_stop(seq.request.params, token, num_output_tokens=seq.num_output_tokens,
                           num_tokens=len(seq.token_ids), stop_string=stop_string, eos_ids=self.eos_ids,
                           max_model_len=self.max_model_len)

@@ -122,6 +122,8 @@ class Request:
         """Sequences this request may run at once: its beams, or its samples once forked."""
         if self.is_beam_search:
             return self.params.beam_width
+        if self.params.n == 1:
+            return 1
         return self.params.n if self.seqs[0].num_output_tokens == 0 else len(self.live_seqs())
 
     def live_seqs(self) -> list[Sequence]:

@@ -3,6 +3,8 @@
     python scripts/bench.py                                  # decode-heavy: 64 x ~100-token prompts, 256 new tokens
     python scripts/bench.py --workload sharegpt --num-requests 128 --mode both --rate 1.0
     python scripts/bench.py --peers --peer-requests 16       # + transformers generate / generate_batch
+    python scripts/bench.py --peers llama.cpp --num-requests 48 --output-len 128 --no-prefix-caching
+    python scripts/bench.py --peers transformers,llama.cpp   # both kinds of peers
     python scripts/bench.py --quick --peers                  # ~5 minute smoke run of everything
     python scripts/bench.py --mode server --rate 1 --num-requests 32   # against a running jaxpaged-serve
 
@@ -32,6 +34,16 @@ What it does, in one process:
    tokens count) and ``generate_batch`` (transformers' continuous batching, paged cache).
    They are slow, so ``--peer-requests`` runs them on the first K requests; jaxpaged then
    also runs those same K requests, and the ratios are taken on equal work.
+   (A bare ``--peers`` means ``--peers transformers``.)
+6. ``--peers llama.cpp``: the CPU engine people pick, on every request of the offline run.
+   Built from the ``llama-cpp-python`` sdist's vendored llama.cpp on first use (~10 minutes
+   on 2 cores; cached in ``~/.cache/jaxpaged``, or ``--llama-cpp-dir``), the default GGUF
+   requantized to F32 (``scripts/llama_cpp_peer.py``). ``llama-server`` with one continuous-
+   batching slot per request gets the same token ids and lengths, greedy, ``ignore_eos``, no
+   prompt cache, all at once: generated tok/s from the first submit to the last response,
+   and each request's token count checked. Also single-stream decode on both sides: one
+   request, ``--single-stream-tokens`` new tokens, prefill excluded (llama.cpp's
+   ``predicted_per_second``; jaxpaged's decode steps over their step times).
 
 Writes ``bench_out/bench_<workload>.json`` and ``.png``. A script, not a test: on a shared
 machine the numbers are noisy; the table headers print the machine and its load.
@@ -42,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,8 +64,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (CompileCounter, ModelCost, RunResult, Workload, ceilings_table, machine_header,  # noqa: E402
-                          machine_info, make_workload, measure_ceilings, new_figure, run_online,
-                          save_figure, save_json, table, warm_then_run)
+                          machine_info, make_workload, measure_ceilings, new_figure, run_offline,
+                          run_online, save_figure, save_json, table, warm_then_run)
+
+
+PEERS = {"transformers", "llama.cpp"}
 
 
 def parse_args(argv=None):
@@ -70,7 +86,15 @@ def parse_args(argv=None):
     p.add_argument("--max-duration", type=float, default=120.0, help="server mode: seconds of arrivals at most")
     p.add_argument("--rate", type=float, default=None,
                    help="online arrivals per second (default: 0.7 x the offline req/s, or 0.5)")
-    p.add_argument("--peers", action="store_true", help="also run transformers generate and generate_batch")
+    p.add_argument("--peers", nargs="?", const="transformers", default="",
+                   help="comma-separated peers: transformers (generate and generate_batch), llama.cpp; "
+                        "bare --peers means transformers")
+    p.add_argument("--llama-cpp-dir", default=None,
+                   help="an existing llama.cpp build (holding llama-server and llama-quantize, or bin/ or build/bin/); "
+                        "default: build the llama-cpp-python sdist's llama.cpp into ~/.cache/jaxpaged once")
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count(), help="llama-server -t (default: all cores)")
+    p.add_argument("--single-stream-tokens", type=int, default=128,
+                   help="--peers llama.cpp: new tokens of the single-request decode comparison")
     p.add_argument("--peer-requests", type=int, default=None,
                    help="run the peers on the first K requests (default: 16, or all if fewer)")
     p.add_argument("--peer-systems", choices=["both", "generate", "generate_batch"], default="both",
@@ -94,8 +118,11 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default=None, help="output name in bench_out/ (default bench_<workload>[_quick])")
     a = p.parse_args(argv)
+    a.peers = list(dict.fromkeys(x.strip() for x in a.peers.split(",") if x.strip()))
+    if set(a.peers) - PEERS:
+        p.error(f"--peers {','.join(a.peers)}: unknown peer; choose from {', '.join(sorted(PEERS))}")
     if a.peers and a.temperature > 0:
-        p.error("--peers compares greedy outputs with transformers': leave --temperature at 0")
+        p.error("--peers compares greedy outputs with the peers': leave --temperature at 0")
     if a.quick:
         if a.num_requests is None:
             a.num_requests = 16
@@ -109,6 +136,8 @@ def parse_args(argv=None):
             a.peer_requests = 4
         if a.mode == "offline":
             a.mode = "both"
+    if "llama.cpp" in a.peers and a.mode not in ("offline", "both"):
+        p.error("--peers llama.cpp compares with the offline run: use --mode offline or both")
     a.num_requests = a.num_requests or (64 if a.workload == "decode-heavy" else 128)
     a.peer_requests = min(a.peer_requests or 16, a.num_requests)
     a.out = a.out or f"bench_{a.workload}" + ("_quick" if a.quick else "")
@@ -205,6 +234,77 @@ def agreement(a: list[list[int]], b: list[list[int]], k: int = 16) -> float:
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
 
 
+def jaxpaged_single_stream(llm, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Decode tok/s of one request alone, prefill excluded: its ``new_tokens - 1`` decode
+    steps over their summed step times (the engine's step timings), the median over
+    ``prompts[1:]``; ``prompts[0]`` is a warm-up that compiles the batch-1 shapes."""
+    runs = [run_offline(llm, Workload("single", [p], [new_tokens], 0, "one request"), "jaxpaged single stream",
+                        progress=False) for p in prompts][1:]
+    rates = sorted(ph["decode_steps"] / ph["decode_s"] for ph in (r.phase_split() for r in runs))
+    return {"decode_tok_s": rates[len(rates) // 2], "decode_tok_s_runs": rates,
+            "compiles": sum(r.compiles for r in runs), "as_asked": all(r.wrong_lengths == 0 for r in runs)}
+
+
+def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path, Path], vocab: int) -> dict:
+    """llama.cpp's server on every request of the offline run, then the single stream on both sides.
+
+    One slot per request, so llama.cpp batches all of them as jaxpaged does; each slot's
+    context fits the longest request. The server is up only while llama.cpp is measured.
+    """
+    from llama_cpp_peer import LlamaServer, run_batch, single_stream
+
+    bin_dir, gguf = llama
+    n = args.single_stream_tokens
+    prompts1 = [w.subset(1).with_fresh_ids(args.seed + 50_000 + k, vocab).prompts[0] for k in range(4)]
+    jp1 = jaxpaged_single_stream(llm, prompts1, n)
+    ctx = max(max(len(p) + m for p, m in zip(w.prompts, w.max_tokens)), len(prompts1[0]) + n) + 16
+    with LlamaServer(bin_dir, gguf, slots=len(w), ctx_per_slot=ctx, threads=args.llama_threads) as server:
+        server.complete(w.prompts[0][:8], 4)  # first-call costs out of the timing
+        batch = run_batch(server, w.prompts, w.max_tokens)
+        single = single_stream(server, prompts1[1:], n)
+    jp_out = [main_run.outputs.get(i, []) for i in range(len(w))]
+    batch["agreement_first16"] = agreement(jp_out, batch.pop("outputs"))
+    batch["gen_tok_s"] = batch["num_generated"] / batch["wall_s"]
+    batch["total_tok_s"] = (batch["num_generated"] + sum(w.prompt_lens)) / batch["wall_s"]
+    out = {"server": server.cmd, "log": str(server.log), "batch": batch,
+           "single_stream": {"jaxpaged": jp1, "llama.cpp": single, "prompt_len": len(prompts1[0]), "new_tokens": n}}
+    llama_tables(w, main_run, out)
+    return out
+
+
+def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
+    from llama_cpp_peer import cpu_flags
+
+    lc, cmd, ss = out["batch"], out["server"], out["single_stream"]
+    jp1, lc1 = ss["jaxpaged"], ss["llama.cpp"]
+    ok = len(w) - jp.wrong_lengths
+    table(f"Peer llama.cpp: the same {len(w)} requests, same GGUF in F32, greedy, ignore_eos, all at once",
+          ["system", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "tokens as asked",
+           "llama.cpp / jaxpaged", "same first 16 tokens"],
+          [[jp.label, jp.num_requests, jp.num_generated, jp.wall_s, jp.gen_tok_s, jp.total_tok_s, f"{ok}/{len(w)}",
+            "-", "-"],
+           ["llama.cpp server", lc["num_requests"], lc["num_generated"], lc["wall_s"], lc["gen_tok_s"],
+            lc["total_tok_s"], f"{lc['as_asked']}/{len(w)}", lc["gen_tok_s"] / jp.gen_tok_s, lc["agreement_first16"]]],
+          [f"llama.cpp: {' '.join(Path(c).name if c.startswith('/') else c for c in cmd)} "
+           f"(build {Path(cmd[0]).parent}, CPU flags {cpu_flags()}); continuous batching, cache_prompt false; "
+           f"log {out['log']}",
+           "tokens as asked: requests that generated exactly max_tokens (llama.cpp's tokens_predicted)",
+           "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's "
+           "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
+           "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
+    table(f"Single-stream decode: one request, {ss['prompt_len']}-token prompt, {ss['new_tokens']} new tokens, "
+          f"median of {len(lc1['decode_tok_s_runs'])}",
+          ["system", "decode tok/s", "ms / token", "runs (tok/s)", "tokens as asked", "llama.cpp / jaxpaged"],
+          [["jaxpaged", jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
+            " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-"],
+           ["llama.cpp server", lc1["decode_tok_s"], 1e3 / lc1["decode_tok_s"],
+            " ".join(f"{r:.1f}" for r in lc1["decode_tok_s_runs"]), lc1["as_asked"],
+            lc1["decode_tok_s"] / jp1["decode_tok_s"]]],
+          ["prefill excluded on both sides: jaxpaged's decode steps over their step times (after a warm-up; "
+           f"{jp1['compiles']} XLA compiles while timed), llama.cpp's timings.predicted_per_second",
+           "each run a fresh prompt of random ids, the same ids on both sides"])
+
+
 # ---- reports ---------------------------------------------------------------------------
 
 
@@ -294,7 +394,8 @@ def plot(name: str, args, results: dict[str, RunResult], cost: ModelCost, ceil: 
         labels.append(p["system"].replace("transformers ", "hf ").split(" (")[0] + f" ({p['num_requests']} req)")
         vals.append(p["gen_tok_s"])
     a = ax[0][0]
-    a.barh(labels, vals, color=["C0", "C7"] + ["C0"] * (1 if subset else 0) + ["C1", "C2"][:len(peers)])
+    peer_colors = [f"C{i + 1}" for i, _ in enumerate(peers)]
+    a.barh(labels, vals, color=["C0", "C7"] + ["C0"] * (1 if subset else 0) + peer_colors)
     a.set_xlabel("generated tokens / s")
     a.set_title("throughput")
     # (b) step times against their floors
@@ -379,6 +480,13 @@ def main(argv=None) -> dict:
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.default_model import default_model_path
 
+    llama = None
+    if "llama.cpp" in args.peers:  # first: a build takes minutes, and a failed one should not wait for the rest
+        from llama_cpp_peer import f32_gguf, find_or_build
+
+        bin_dir = find_or_build(args.llama_cpp_dir)
+        llama = bin_dir, f32_gguf(bin_dir, default_model_path())
+        print(f"llama.cpp: {bin_dir}; F32 GGUF {llama[1]}", flush=True)
     ceil0 = measure_ceilings(quick=args.quick)
     t = time.perf_counter()
     lm = jaxpaged.load_model(attention_backend=args.attention_backend)
@@ -442,8 +550,14 @@ def main(argv=None) -> dict:
     if online:
         report["latency"] = latency_table(online, args.rate)
 
+    shown_peers = []
+    if llama:
+        report["llama_cpp"] = run_llama_cpp(args, llm, w, results["offline"], llama, vocab)
+        shown_peers.append({"system": "llama.cpp server", "num_requests": len(w),
+                            "gen_tok_s": report["llama_cpp"]["batch"]["gen_tok_s"]})
+
     peers, subset = [], None
-    if args.peers:
+    if "transformers" in args.peers:
         k = args.peer_requests
         sub = w.subset(k)
         main_run = results.get("offline")
@@ -503,7 +617,7 @@ def main(argv=None) -> dict:
             report["runs"][subset.label] = subset.summary()
 
     save_json(f"{args.out}.json", report)
-    plot(args.out, args, results, cost, ceil, peers, subset, online)
+    plot(args.out, args, results, cost, ceil, peers + shown_peers, subset, online)
     return report
 
 

@@ -43,7 +43,7 @@ def mixed_requests(vocab: int):
 
 def run(model, prompts, params, **kw):
     kw = {"block_size": 4, "num_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
-          "max_model_len": 128, "debug_checks": True, **kw}
+          "max_model_len": 128, "debug_checks": True, "async_scheduling": False, **kw}
     llm = LLM(model, **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     while llm.has_unfinished_requests():  # the step dispatched after the last request finished
@@ -115,7 +115,7 @@ def test_abort_while_a_step_is_in_flight(tiny_engine_model):
     while llm.has_unfinished_requests():
         outs.update({o.request_id: o for o in llm.step()})
     assert ids[1] not in outs and set(outs) == {ids[0], ids[2], ids[3]}
-    ref = LLM(tiny_engine_model, block_size=4, num_blocks=128, max_model_len=128).generate(
+    ref = LLM(tiny_engine_model, block_size=4, num_blocks=128, max_model_len=128, async_scheduling=False).generate(
         [prompts[i] for i in (0, 2, 3)], GREEDY, use_tqdm=False)
     assert [outs[i].outputs[0].token_ids for i in (ids[0], ids[2], ids[3])] == [r.outputs[0].token_ids for r in ref]
     assert llm.stats()["num_used_blocks"] == 0
@@ -141,7 +141,7 @@ def test_penalised_requests_wait_for_their_tokens(tiny_engine_model):
 
 
 def test_the_default_model_gives_the_same_text(smollm):
-    llm = LLM(smollm, max_model_len=512)
+    llm = LLM(smollm, max_model_len=512, async_scheduling=False)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in (
         "What is the capital of France?", "Write a haiku about memory pages.", "Count from 1 to 10.")]
     prompts = [{"prompt_token_ids": p} for p in prompts]

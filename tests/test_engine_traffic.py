@@ -22,7 +22,7 @@ import traffic
 ORACLE_ROUNDS, ORACLE_REQUESTS = 80, 30
 MODEL_ROUNDS, MODEL_REQUESTS = 50, 20
 ROOMY = dict(block_size=16, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=256,
-             max_model_len=traffic.MAX_MODEL_LEN, enable_prefix_caching=False)
+             max_model_len=traffic.MAX_MODEL_LEN, enable_prefix_caching=False, async_scheduling=False)
 
 
 def assert_same_as_alone(res, alone) -> int:
