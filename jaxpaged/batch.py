@@ -1,7 +1,8 @@
 """Turn a scheduler decision into fixed-shape, padded numpy arrays. No jax here.
 
-Every axis is padded to a power of two (with a floor), so the number of distinct step
-shapes, and so of compilations, is bounded by the product of a few short bucket lists:
+Every axis is padded to a power of two (with a floor; sequences and sampling rows past 32
+in quarter-octave steps, ``padding.row_bucket``), so the number of distinct step shapes,
+and so of compilations, is bounded by the product of a few short bucket lists:
 tokens ``T``, sequences ``S``, block-table width ``W``, sampling rows ``R`` and prompt
 logprob rows ``P``. A decode-only batch uses ``T == S``.
 
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxpaged.padding import NULL_BLOCK, bucket
+from jaxpaged.padding import NULL_BLOCK, bucket, row_bucket
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence
 
@@ -76,7 +77,7 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     num_seqs = len(sched)
     num_tokens = sum(s.num_new_tokens for s in sched)
     decode_only = all(s.num_new_tokens == 1 for s in sched)
-    S = bucket(num_seqs)
+    S = row_bucket(num_seqs)
     T = S if decode_only else bucket(num_tokens, token_floor)
     S = max(S, 1)
     tables = [s.block_table for s in sched]
@@ -147,7 +148,7 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
                 lp_idx.append(np.arange(t, t + stop - a))
                 lp_tgt.append(np.asarray(seq.token_ids[a + 1:stop + 1]))
 
-    R = max(S, bucket(len(rows)))  # usually R == S: one fewer axis to compile shapes for
+    R = max(S, row_bucket(len(rows)))  # usually R == S: one fewer axis to compile shapes for
     li = np.zeros(R, np.int32)
     li[:len(logits_indices)] = logits_indices
     num_lp = sum(r.count for r in lp_rows)

@@ -90,3 +90,13 @@ def test_positions_past_the_reserved_slots_are_an_error(reserved):
     with pytest.raises(IndexError, match=rf"positions \[0, {n}\) of sequence {seq.seq_id!r}; it has {reserved} slots"):
         s = ScheduledSeq(seq, 0, n, 0, bm.block_table(seq.seq_id), bm.num_tokens(seq.seq_id))
         build_batch(SchedulerOutput([s], [], [], []), block_size=BS, max_blocks_per_seq=8)
+
+
+def test_row_bucket_pads_by_at_most_a_quarter_past_32():
+    from jaxpaged.padding import row_bucket
+
+    sizes = [row_bucket(n) for n in range(1, 1025)]
+    assert sizes[:32] == [bucket(n) for n in range(1, 33)]
+    assert all(n <= b <= 1.25 * n for n, b in zip(range(33, 1025), sizes[32:]))
+    assert sizes == sorted(sizes) and len(set(sizes[32:])) == 4 * 5  # four per octave, 32..1024
+    assert row_bucket(48) == 48 and row_bucket(49) == 56 and row_bucket(256) == 256
