@@ -37,7 +37,14 @@ Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
   holds ``n`` (or ``beam_width``) sequence slots from admission until it forks, then one
   per live sample (every beam slot while beams run).
 
-After a step (``update_from_output``): mark the scheduled tokens computed, record prompt
+Async scheduling (``EngineCore(async_scheduling=True)``) calls ``schedule()`` for step N+1
+before step N's ``update_from_output``: a scheduled chunk counts as computed as soon as it
+is decided, and a sampled token as pending (``Sequence.num_pending``) until its update. A
+request whose pending token this step would need on the host sits the step out (see
+``_waits_for_tokens``), as does one that would be cut for capacity; the progress guarantee
+holds for every step scheduled with nothing in flight.
+
+After a step (``update_from_output``): register the computed blocks for prefix caching, record prompt
 logprobs, append each sampled token, apply the stop rule (:func:`~jaxpaged.stopping.check_stop`),
 fork ``n > 1`` samples at their first token and beams as the beam plan says (fork copies
 travel in the next step's block ops), free finished sequences and retire finished

@@ -342,17 +342,24 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
               kv_cache_memory=args.kv_cache_memory)
     cost = ModelCost.from_loaded(LoadedModel(model, None, cfg, "random"))
-    runner, records = llm.runner, []
-    execute = runner.execute
+    runner, records, chunks = llm.runner, [], {}
+    dispatch, collect = runner.dispatch, runner.collect
 
-    def timed_execute(out):  # per step: the chunks and the device part of the step (run + fetch)
+    # Per step: the chunks and the device part of the step. Only meaningful with async
+    # scheduling off (the wait then covers the whole device step), so a separate pass.
+    def timed_dispatch(out, prev=None):
+        step = dispatch(out, prev)
+        if step is not None:
+            chunks[id(step)] = [(s.start, s.num_new_tokens, s.num_samples > 0) for s in out.scheduled]
+        return step
+
+    def timed_collect(step):
         d0 = runner.time_device
-        res = execute(out)
-        records.append(([(s.start, s.num_new_tokens, s.num_samples > 0) for s in out.scheduled],
-                        runner.time_device - d0))
+        res = collect(step)
+        if step is not None:
+            records.append((chunks.pop(id(step)), runner.time_device - d0))
         return res
 
-    runner.execute = timed_execute
     summary = wl.summary()
     print(f"\n## Llama-3-8B shapes (random weights, bf16, {args.backend}), {n_req} requests: "
           f"{summary['prompt_tokens']} prompt + {summary['output_tokens']} output tokens "
@@ -364,8 +371,11 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     warm = run_offline(llm, wl.with_fresh_ids(1, cfg.vocab_size), "warm-up", progress=False)
     print(f"warm-up pass (compiles every step shape): {time.perf_counter() - t:.1f} s, "
           f"{warm.compiles} compilations in {warm.compile_s:.1f} s", flush=True)
-    records.clear()
     run = run_offline(llm, wl, "jaxpaged", progress=False)
+    sub = dataclasses.replace(wl, prompts=wl.prompts[:256], max_tokens=wl.max_tokens[:256])
+    llm.core.async_scheduling, runner.dispatch, runner.collect = False, timed_dispatch, timed_collect
+    run_offline(llm, sub.with_fresh_ids(3, cfg.vocab_size), "per-step device times", progress=False)
+    llm.core.async_scheduling, runner.dispatch, runner.collect = True, dispatch, collect
     e = run.engine_stats
     steps = e["num_steps"]
     phases = {k: e[f"time_{k}_s"] / steps * 1e3 for k in ("schedule", "batch", "device", "postprocess")}
@@ -388,9 +398,10 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
           f"{steps} steps, {e['num_preemptions']} preemptions, {run.compiles} compilations in the timed run, "
           f"{run.wrong_lengths} wrong lengths")
     print("ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-          + f"; host share {1 - phases['device'] / sum(phases.values()):.0%}")
+          + f"; host busy {1 - phases['device'] / sum(phases.values()):.0%} (async scheduling: device = waiting)")
     if dec_bw:
-        print(f"decode steps (>= 64 sequences): {len(dec_bw)}, bytes moved (weights + KV read/written) per "
+        print(f"decode steps (>= 64 sequences, synchronous pass over 256 requests): {len(dec_bw)}, bytes moved "
+              f"(weights + KV read/written) per "
               f"device-step second: median {np.median(dec_bw):.0%} of the read bandwidth ({bw / 1e12:.2f} TB/s), "
               f"p90 {np.percentile(dec_bw, 90):.0%}")
     if pre_mfu:
@@ -400,7 +411,6 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
               f"(of 989 dense bf16), {np.median(pre_mfu) / peak:.0%} of the 8192^3 matmul rate measured now")
     # A profile of a short slice: the first 256 requests again (prefill, then decode).
     folder = os.path.join(os.environ.get("OUT", "bench_out"), "trace_8b")
-    sub = dataclasses.replace(wl, prompts=wl.prompts[:256], max_tokens=wl.max_tokens[:256])
     with jax.profiler.trace(folder):
         run_offline(llm, sub.with_fresh_ids(2, cfg.vocab_size), "traced", progress=False)
     tr = trace_summary(folder)
