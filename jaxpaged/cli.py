@@ -188,15 +188,21 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def exit_code(run, prog: str, argv: list[str] | None = None) -> int:
+    """``run(argv)``, with a bad input or a missing file as one ``prog: error: ...`` line and
+    exit status 1, and Ctrl-C as 130 (the entry points of ``jaxpaged-generate`` and ``-serve``)."""
     try:
         return run(argv)
     except (FileNotFoundError, ValueError, TypeError, OSError) as e:
         msg = " ".join(str(e).split())  # one line
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        print(f"{prog}: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return exit_code(run, PROG, argv)
 
 
 if __name__ == "__main__":

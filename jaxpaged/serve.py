@@ -293,13 +293,9 @@ class Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(argv)
-    except (FileNotFoundError, ValueError, TypeError, OSError) as e:
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    from jaxpaged.cli import exit_code
+
+    return exit_code(run, PROG, argv)
 
 
 if __name__ == "__main__":
