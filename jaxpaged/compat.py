@@ -19,8 +19,14 @@ def abstract_gpu(device_kind: str = "NVIDIA H100") -> Iterator[None]:
 
     jax 0.11 asks the GPU it lowers a Triton kernel for for its compute capability and
     raises "No supported GPU devices found" when there is none; jax 0.10 assumed one. An
-    abstract mesh naming the GPU answers it, and jax 0.10.2 accepts the same call.
+    abstract mesh naming the GPU answers it, and jax 0.10.2 accepts the same call. Where a
+    GPU is present it answers itself, and the abstract mesh would clash with the real devices
+    (seen on an H100 with jax 0.11.2: "lowering_platforms ... is required when only
+    AbstractMesh exists", and sharding type errors when lowering for CPU): nothing to do.
     """
+    if jax.default_backend() == "gpu":
+        yield
+        return
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_",), abstract_device=device)):
         yield

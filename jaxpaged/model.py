@@ -16,7 +16,6 @@ write + paged attention, and the LM head go through the ``shard_map`` helpers th
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -72,30 +71,48 @@ def _param(rngs: nnx.Rngs, shape, dtype, fan_in: int):
     return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) / math.sqrt(fan_in))
 
 
-def _mlp_matmuls(layers: nnx.Module, precision, *, stacked: bool):
-    """``mlp(x, p, name, layer)``: ``x @ p.<name>`` for the MLP's weights, inside the layer scan.
+# Steps of at most this many tokens (decode steps, and the mixed decode + prefill-chunk steps
+# of continuous batching) read the layers' weights in place (stacked_matmul); bigger
+# prefill steps keep XLA's matmul, where the per-layer weight copy is paid once for
+# thousands of tokens and cuBLAS outruns the Triton kernel.
+STACKED_MAX_TOKENS = 1024
+
+
+def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
+    """``matmul(x, p, name, layer)``: ``x @ p.<name>`` inside the layer scan, contracting
+    every axis of ``x`` after the first with the weight's leading axes (``"TD,DNH->TNH"``
+    for the query projection, ``"TNH,NHD->TD"`` for the output one, ``"TD,DF->TF"`` ...).
 
     ``stacked``: lowered for CUDA, read the layer's weight straight out of the stacked
-    ``[L, ...]`` array with :func:`~jaxpaged.pallas.stacked_matmul.stacked_matmul` (under
-    ``lax.scan`` XLA copies each layer's slice before a cuBLAS matmul: 9.7 ms of a 24.6 ms
-    Llama-3-8B decode step on an H100), where Triton can tile the shape; other platforms,
-    and shapes it cannot tile, take the slice the scan made.
+    ``[L, ...]`` array with :func:`~jaxpaged.pallas.stacked_matmul.stacked_matmul` (a free
+    reshape to ``[L, K, N]``). Under ``lax.scan`` XLA copies each layer's slice before a
+    cuBLAS matmul: for the MLP 9.7 ms of a 24.6 ms Llama-3-8B decode step on an H100.
+    Triton runs it where it can tile the shape; other platforms, and shapes it cannot tile,
+    take the slice the scan made.
     """
 
     def dense(x, w):
-        return jnp.einsum("TK,KN->TN", x, w, precision=precision)
+        k = x.ndim - 1
+        return jax.lax.dot_general(x, w, ((tuple(range(1, k + 1)), tuple(range(k))), ((), ())),
+                                   precision=precision)
 
-    def mlp(x, p, name: str, layer):
-        sliced = getattr(p, name)[...]  # [K, N], this layer's slice, as the scan made it
-        w = getattr(layers, name)[...]  # [L, K, N], the whole stack
+    def matmul(x, p, name: str, layer):
+        sliced = getattr(p, name)[...]  # [*K, *N], this layer's slice, as the scan made it
+        k = x.ndim - 1
+        K, out = math.prod(x.shape[1:]), sliced.shape[k:]
+        w = getattr(layers, name)[...]  # [L, *K, *N], the whole stack
+        w = w.reshape(w.shape[0], K, math.prod(out))
         # Every platform_dependent branch is traced: the kernel must accept the shape and dtype.
         if not stacked or not supports(*w.shape[1:]) or x.dtype != w.dtype:
             return dense(x, sliced)
-        # Elsewhere the slice is used as before (and the unused stack costs nothing).
-        return jax.lax.platform_dependent(x, w, layer, cuda=functools.partial(stacked_matmul, interpret=False),
-                                          default=lambda x, w, layer: dense(x, sliced))
 
-    return mlp
+        def kernel(x, w, layer):
+            return stacked_matmul(x.reshape(x.shape[0], K), w, layer, interpret=False).reshape(x.shape[0], *out)
+
+        # Elsewhere the slice is used as before (and the unused stack costs nothing).
+        return jax.lax.platform_dependent(x, w, layer, cuda=kernel, default=lambda x, w, layer: dense(x, sliced))
+
+    return matmul
 
 
 class DecoderLayer(nnx.Module):
@@ -161,8 +178,8 @@ class Llama(nnx.Module):
         else:
             x = sharding.embed_tokens(mesh, self.embed[...], tokens)
         layer_def, layer_state = nnx.split(self.layers)
-        mlp = _mlp_matmuls(self.layers, prec, stacked=md.decode_only and mesh is None
-                           and resolve_backend(backend, "cuda") == "pallas_gpu")
+        matmul = _layer_matmuls(self.layers, prec, stacked=tokens.shape[0] <= STACKED_MAX_TOKENS and mesh is None
+                                and resolve_backend(backend, "cuda") == "pallas_gpu")
 
         def layer_fn(carry, xs):
             x, kv = carry
@@ -170,9 +187,9 @@ class Llama(nnx.Module):
             p = nnx.merge(layer_def, state)
             with jax.named_scope("attention"):
                 h = rms_norm(x, p.input_norm[...], eps)
-                q = jnp.einsum("TD,DNH->TNH", h, p.wq[...], precision=prec)
-                k = jnp.einsum("TD,DKH->TKH", h, p.wk[...], precision=prec)
-                v = jnp.einsum("TD,DKH->TKH", h, p.wv[...], precision=prec)
+                q = matmul(h, p, "wq", layer)  # "TD,DNH->TNH"
+                k = matmul(h, p, "wk", layer)  # "TD,DKH->TKH"
+                v = matmul(h, p, "wv", layer)
                 q = apply_rope(q, md.positions, inv_freq)
                 k = apply_rope(k, md.positions, inv_freq)
                 if mesh is None:
@@ -182,13 +199,13 @@ class Llama(nnx.Module):
                     o, kv = sharding.paged_attention_per_shard(mesh, q, k, v, kv, layer, md, scale=scale,
                                                                backend=backend)
                 # Row-parallel under TP: GSPMD all-reduces the partial sums over the head shards.
-                x = x + jnp.einsum("TNH,NHD->TD", o, p.wo[...], precision=prec)
+                x = x + matmul(o, p, "wo", layer)  # "TNH,NHD->TD"
             with jax.named_scope("mlp"):
                 h = rms_norm(x, p.post_attn_norm[...], eps)
-                g = mlp(h, p, "w_gate", layer)  # "TD,DF->TF"
-                u = mlp(h, p, "w_up", layer)
+                g = matmul(h, p, "w_gate", layer)  # "TD,DF->TF"
+                u = matmul(h, p, "w_up", layer)
                 # Row-parallel, as wo.
-                x = x + mlp(jax.nn.silu(g) * u, p, "w_down", layer)  # "TF,FD->TD"
+                x = x + matmul(jax.nn.silu(g) * u, p, "w_down", layer)  # "TF,FD->TD"
             return (x, kv), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

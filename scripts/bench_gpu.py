@@ -315,6 +315,73 @@ def trace_summary(folder: str, top: int = 12) -> dict:
             "kernels": [(name[:70], ns / 1e6, ns / total) for name, ns in by_name.most_common(top)]}
 
 
+BATCH_BUCKETS = ((1, 8), (9, 32), (33, 64), (65, 128), (129, 256), (257, 1 << 20))
+
+
+def by_batch_table(timeline, records) -> list[dict]:
+    """Where the timed run's wall time went, by the number of sequences in a step: steps,
+    seconds between one step's dispatch and the next one's (with async scheduling, the step
+    period), and the device time of decode steps of that size in the synchronous pass."""
+    period = [(n, tok, t1 - t0) for (n, tok, t0), (_, _, t1) in zip(timeline, timeline[1:])]
+    rows = []
+    print("by sequences per step: steps, wall s, ms per step (period), tokens per step; device ms per decode "
+          "step (synchronous pass: launch to sampled tokens on the host, median)")
+    for lo, hi in BATCH_BUCKETS:
+        sel = [(tok, dt) for n, tok, dt in period if lo <= n <= hi]
+        dev = [dt * 1e3 for c, dt in records if lo <= len(c) <= hi and all(k == 1 for _, k, _ in c)]
+        if not sel:
+            continue
+        wall = sum(dt for _, dt in sel)
+        r = {"seqs": f"{lo}-{hi}", "steps": len(sel), "wall_s": wall, "ms_per_step": 1e3 * wall / len(sel),
+             "tokens_per_step": sum(tok for tok, _ in sel) / len(sel),
+             "decode_device_ms": float(np.median(dev)) if dev else float("nan")}
+        rows.append(r)
+        print(f"    {r['seqs']:>9}  {r['steps']:>5}  {wall:>6.1f} s  {r['ms_per_step']:>6.2f} ms  "
+              f"{r['tokens_per_step']:>7.0f}  device {r['decode_device_ms']:>6.2f} ms")
+    return rows
+
+
+def matmul_table() -> list[dict]:
+    """The stacked-weight matmul against XLA's slice-then-matmul for Llama-3-8B's projections,
+    by tokens per step, and, for few tokens, other tiles and split-K (the unsplit kernel is
+    bound there by each program's walk over K, not by bandwidth)."""
+    from jaxpaged.pallas.stacked_matmul import default_config, stacked_matmul
+
+    print("\n## Stacked matmul vs XLA (x @ w[layer] of a [3, K, N] stack), Llama-3-8B projections, bf16")
+    shapes = (("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate/up", 4096, 14336), ("down", 14336, 4096))
+    layer = jax.device_put(jnp.int32(1))
+    xla = jax.jit(lambda x, w, l: x @ jax.lax.dynamic_index_in_dim(w, l, keepdims=False))
+    rows = []
+    for T in (16, 64, 256, 512, 1024, 2048):
+        for name, K, N in shapes:
+            x = jax.random.normal(jax.random.key(0), (T, K), jnp.bfloat16)
+            w = (jax.random.normal(jax.random.key(1), (3, K, N), jnp.float32) / 64).astype(jnp.bfloat16)
+            want = np.asarray(xla(x, w, layer), np.float32)
+            cands = [("xla", xla), ("default " + str(default_config(T, K, N)), jax.jit(
+                functools.partial(stacked_matmul, interpret=False)))]
+            if T <= 64:  # tiles and split-K for few tokens (splits: programs per output tile)
+                for bn, bk, nw, ns, sp in ((32, 128, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 4, 3, 1),
+                                           (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (64, 128, 4, 3, 8),
+                                           (32, 128, 4, 3, 4), (128, 128, 4, 3, 4)):
+                    if N % bn == 0 and K % (sp * bk) == 0:
+                        cands.append((f"t{max(16, T)} n{bn} k{bk} w{nw} s{ns} split{sp}", jax.jit(functools.partial(
+                            stacked_matmul, blocks=(max(16, T), bn, bk), interpret=False, num_warps=nw,
+                            num_stages=ns, splits=sp))))
+            line = []
+            for label, f in cands:
+                try:
+                    err = float(np.max(np.abs(np.asarray(f(x, w, layer), np.float32) - want)))
+                    us = per_call(f, x, w, layer) * 1e6
+                except Exception as e:  # a tile Triton refuses (shared memory)
+                    print(f"    T={T} {name} {label}: {type(e).__name__} {str(e)[:60]}")
+                    continue
+                rows.append({"T": T, "shape": name, "impl": label, "us": us, "tflops": 2 * T * K * N / us / 1e6,
+                             "weight_tb_s": K * N * 2 / us / 1e6, "max_err": err})
+                line.append(f"{label} {us:.0f}us ({err:.0e})")
+            print(f"  T={T:>4} {name:<8} " + " | ".join(line), flush=True)
+    return rows
+
+
 def llama8b_table(args, bw: float, rates: dict) -> dict:
     """Offline throughput of a random model with Llama-3-8B's shapes (bf16) on a synthetic
     ShareGPT-like workload, measured the way vLLM's benchmark_throughput does: every request
@@ -343,21 +410,31 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
               kv_cache_memory=args.kv_cache_memory)
     cost = ModelCost.from_loaded(LoadedModel(model, None, cfg, "random"))
     runner, records, chunks = llm.runner, [], {}
-    dispatch, collect = runner.dispatch, runner.collect
+    dispatch, collect, launch = runner.dispatch, runner.collect, runner._launch
+    launch_s, launch_t0 = [0.0], [0.0]
 
-    # Per step: the chunks and the device part of the step. Only meaningful with async
-    # scheduling off (the wait then covers the whole device step), so a separate pass.
+    def timed_launch(*a, **k):  # the jit calls alone: enqueueing a step's kernels takes host time
+        launch_t0[0] = time.perf_counter()
+        res = launch(*a, **k)
+        launch_s[0] += time.perf_counter() - launch_t0[0]
+        return res
+
+    # Per step: the chunks and the device step, from the launch to the sampled tokens on the
+    # host. Only meaningful with async scheduling off (the device is idle at the launch), so
+    # a separate pass. On a GPU the launch itself takes milliseconds (the host enqueues every
+    # layer's kernels), so the wait in collect alone would undercount.
     def timed_dispatch(out, prev=None):
         step = dispatch(out, prev)
         if step is not None:
-            chunks[id(step)] = [(s.start, s.num_new_tokens, s.num_samples > 0) for s in out.scheduled]
+            chunks[id(step)] = ([(s.start, s.num_new_tokens, s.num_samples > 0) for s in out.scheduled],
+                                launch_t0[0])
         return step
 
     def timed_collect(step):
-        d0 = runner.time_device
         res = collect(step)
         if step is not None:
-            records.append((chunks.pop(id(step)), runner.time_device - d0))
+            c, t0 = chunks.pop(id(step))
+            records.append((c, time.perf_counter() - t0))
         return res
 
     summary = wl.summary()
@@ -371,11 +448,20 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     warm = run_offline(llm, wl.with_fresh_ids(1, cfg.vocab_size), "warm-up", progress=False)
     print(f"warm-up pass (compiles every step shape): {time.perf_counter() - t:.1f} s, "
           f"{warm.compiles} compilations in {warm.compile_s:.1f} s", flush=True)
+    timeline = []  # per dispatched step of the timed run: (sequences, tokens, dispatch time)
+
+    def logged_dispatch(out, prev=None):
+        timeline.append((len(out.scheduled), sum(s.num_new_tokens for s in out.scheduled), time.perf_counter()))
+        return dispatch(out, prev)
+
+    runner.dispatch, runner._launch = logged_dispatch, timed_launch
     run = run_offline(llm, wl, "jaxpaged", progress=False)
+    timeline.append((0, 0, time.perf_counter()))
+    timed_run_launch_s = launch_s[0]
     sub = dataclasses.replace(wl, prompts=wl.prompts[:256], max_tokens=wl.max_tokens[:256])
     llm.core.async_scheduling, runner.dispatch, runner.collect = False, timed_dispatch, timed_collect
     run_offline(llm, sub.with_fresh_ids(3, cfg.vocab_size), "per-step device times", progress=False)
-    llm.core.async_scheduling, runner.dispatch, runner.collect = True, dispatch, collect
+    llm.core.async_scheduling, runner.dispatch, runner.collect, runner._launch = True, dispatch, collect, launch
     e = run.engine_stats
     steps = e["num_steps"]
     phases = {k: e[f"time_{k}_s"] / steps * 1e3 for k in ("schedule", "batch", "device", "postprocess")}
@@ -397,6 +483,8 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     print(f"ratio to vLLM: output {run.gen_tok_s / vllm_out:.2f}x, total {run.total_tok_s / vllm_total:.2f}x; "
           f"{steps} steps, {e['num_preemptions']} preemptions, {run.compiles} compilations in the timed run, "
           f"{run.wrong_lengths} wrong lengths")
+    row["launch_ms_per_step"] = 1e3 * timed_run_launch_s / steps
+    print(f"of batch: launching the jits {row['launch_ms_per_step']:.2f} ms per step")
     print("ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
           + f"; host busy {1 - phases['device'] / sum(phases.values()):.0%} (async scheduling: device = waiting)")
     if dec_bw:
@@ -409,6 +497,7 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
         print(f"prefill-heavy steps (>= {args.max_num_batched_tokens // 2} tokens): {len(pre_mfu)}, median "
               f"{np.median(pre_mfu) / 1e12:.0f} TFLOP/s = {np.median(pre_mfu) / H100_BF16_DENSE_FLOPS:.0%} MFU "
               f"(of 989 dense bf16), {np.median(pre_mfu) / peak:.0%} of the 8192^3 matmul rate measured now")
+    row["by_batch"] = by_batch_table(timeline, records)
     # A profile of a short slice: the first 256 requests again (prefill, then decode).
     folder = os.path.join(os.environ.get("OUT", "bench_out"), "trace_8b")
     with jax.profiler.trace(folder):
@@ -426,7 +515,7 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "engine", "llama8b"),
+    ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "engine", "llama8b", "matmul"),
                     action="append")
     ap.add_argument("--num-requests", type=int, default=1000, help="llama8b: requests of the workload")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="llama8b")
@@ -462,6 +551,8 @@ def main():
         prefill_table()
     if "engine" in only:
         engine_table(args.quick, tuple(args.engine_backends.split(",")))
+    if "matmul" in only:
+        report["matmul"] = matmul_table()
     if "llama8b" in only:
         report["llama8b"] = llama8b_table(args, bw, rates)
     name = "bench_gpu_quick" if args.quick else "bench_gpu"

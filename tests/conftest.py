@@ -23,6 +23,21 @@ def _release_compiled_executables():
         sys.modules["jax"].clear_caches()
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cpu_host`` tests assert what a CPU-only process does (its interpreted
+    kernels, its compiled programs, its default dtype); a GPU or TPU process does otherwise.
+    Skipped there before any fixture is set up."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"asserts what a CPU-only process does; JAX's default backend here is "
+                                   f"{jax.default_backend()}")
+    for item in items:
+        if item.get_closest_marker("cpu_host") is not None:
+            item.add_marker(skip)
+
+
 def make_tiny_hf(folder, *, tie: bool, llama3: bool, seed: int = 0):
     """A random Llama saved with save_pretrained; returns the torch model (float32, eval)."""
     import torch

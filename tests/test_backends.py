@@ -117,6 +117,7 @@ def test_named_backends_do_not_lower_elsewhere(backend, platform):
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "ragged"])
+@pytest.mark.cpu_host
 def test_auto_on_cpu_compiles_to_exactly_the_xla_path(decode):
     """The kernels' branches cost nothing at run time: the compiled CPU computation of
     ``"auto"`` holds the same instructions as ``"xla"``, and no conditional."""
@@ -141,6 +142,7 @@ def test_auto_uses_xla_where_a_kernel_refuses_the_shapes():
     assert kernels_in(lower(attention_fn("auto"), *args, platform="cuda")) == set()
 
 
+@pytest.mark.cpu_host
 def test_a_named_kernel_that_refuses_raises_its_own_error_here():
     """On this CPU process the interpreted kernel is the one that would run: its error."""
     with pytest.raises(ValueError, match=r"block_size=4 must be a multiple of 8 on TPU"):
@@ -226,6 +228,7 @@ def xla_tokens(tiny_engine_model):
     return tokens
 
 
+@pytest.mark.cpu_host
 def test_pallas_tpu_engine_on_cpu_gives_the_xla_tokens(tiny_engine_model, xla_tokens, monkeypatch):
     """The Mosaic kernels, in Pallas' interpreter, inside the engine's jitted steps (layer
     scan, donated pool, chunked prefill then decode): the same greedy tokens."""
@@ -244,6 +247,7 @@ def _counted(kernel, calls, name, *args, **kwargs):
     return kernel(*args, **kwargs)
 
 
+@pytest.mark.cpu_host
 def test_pallas_tpu_engine_in_tpu_interpret_mode(tiny_engine_model, xla_tokens):
     """The same under ``pltpu.force_tpu_interpret_mode()``: HBM, VMEM, SMEM, the DMAs and
     their semaphores simulated, uninitialised scratch filled with NaN."""
@@ -285,6 +289,7 @@ def test_engine_args_size_the_pool_from_the_devices_memory(monkeypatch):
     assert EngineArgs(tensor_parallel_size=2).kv_blocks(block_bytes=2 << 20, max_model_len=4096) == 6 << 10
 
 
+@pytest.mark.cpu_host
 def test_default_dtype_is_bfloat16_on_tpu(tmp_path, monkeypatch):
     from conftest import make_tiny_tp_hf
 

@@ -1,6 +1,7 @@
 """The stacked-weight matmul (pallas/stacked_matmul.py) against x @ w[layer], and its Triton lowering."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,21 @@ def test_matches_the_layer_matmul_float32(T, K, N, blocks, layer):
     want = jnp.einsum("TK,KN->TN", x, w[layer], precision=jax.lax.Precision.HIGHEST)
     assert got.shape == (T, N) and got.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T, K, N, blocks, splits", [
+    (5, 256, 48, (16, 16, 32), 2),  # two halves of K, partials summed
+    (33, 512, 64, (16, 32, 64), 4),  # T over two tiles; four quarters of K
+    (16, 1024, 256, (16, 64, 128), 8),
+])
+def test_split_k_matches_the_layer_matmul(T, K, N, blocks, splits):
+    x, w = case(T + splits, T, K, N)
+    got = stacked_matmul(x, w, jnp.int32(2), blocks=blocks, splits=splits, interpret=True)
+    want = jnp.einsum("TK,KN->TN", x, w[2], precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (T, N) and got.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=f"splits=3 x block_k={blocks[2]} does not divide K={K}"):
+        stacked_matmul(x, w, 0, blocks=blocks, splits=3, interpret=True)
 
 
 def test_matches_the_layer_matmul_bfloat16_and_traced_layer():
@@ -67,6 +83,10 @@ def test_lowers_to_triton(dtype):
     with abstract_gpu():
         text = jax.jit(f).trace(x, w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "stacked_matmul_t128_n64_k128" in text
+    with abstract_gpu():  # split-K: one kernel writing float32 partials, summed by XLA
+        f = functools.partial(stacked_matmul, blocks=(16, 64, 128), splits=4, interpret=False)
+        text = jax.jit(f).trace(x[:16], w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stacked_matmul_t16_n64_k128_s4" in text and "stablehlo.reduce" in text
 
 
 def test_supports_only_shapes_triton_can_tile():
@@ -75,8 +95,9 @@ def test_supports_only_shapes_triton_can_tile():
 
 
 def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
-    """The model stages the kernel for CUDA only where it can tile the MLP; an odd width
-    keeps XLA's matmul on every platform instead of failing to trace (decode steps)."""
+    """Decode steps lowered for CUDA read all seven projections (q, k, v, o, gate, up, down)
+    with the kernel where it can tile them; an odd MLP width keeps XLA's matmul for the MLP
+    on every platform instead of failing to trace, and the attention projections keep the kernel."""
     from flax import nnx
 
     from jaxpaged import runner
@@ -100,5 +121,6 @@ def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
         assert bool(jnp.all(jnp.isfinite(logits)))
         return cuda
 
-    assert "stacked_matmul" in decode_step(128)
-    assert "stacked_matmul" not in decode_step(100)
+    call_sites = lambda text: len(re.findall(r"call @_stacked_matmul", text))  # noqa: E731
+    assert call_sites(decode_step(128)) == 7
+    assert call_sites(decode_step(100)) == 4

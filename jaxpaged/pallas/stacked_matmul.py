@@ -37,22 +37,25 @@ def _kernel(
     layer_ref,  # [1] int32, whole
     x_ref,  # [block_t, K]
     w_ref,  # [L, K, N], the whole stack
-    o_ref,  # [block_t, block_n]
+    o_ref,  # [block_t, block_n]: this split's partial sums (float32) or, unsplit, the output
     *,
     block_k: int,
+    k_per_split: int,
 ):
     j = pl.program_id(0)
-    block_t, K = x_ref.shape
-    block_n = o_ref.shape[1]
+    k_start = pl.program_id(2) * k_per_split
+    block_t = x_ref.shape[0]
+    block_n = o_ref.shape[-1]
     layer = layer_ref[0]
 
     def body(kk, acc):
-        x = x_ref[:, pl.ds(kk * block_k, block_k)]
-        w = w_ref[layer, pl.ds(kk * block_k, block_k), pl.ds(j * block_n, block_n)]
+        k0 = k_start + kk * block_k
+        x = x_ref[:, pl.ds(k0, block_k)]
+        w = w_ref[layer, pl.ds(k0, block_k), pl.ds(j * block_n, block_n)]
         return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=common.dot_precision(w.dtype),
                                      preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, K // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
+    acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -97,6 +100,7 @@ def stacked_matmul(
     interpret: bool | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    splits: int = 1,
 ) -> Float[Array, "T N"]:
     """``x @ w[layer]`` without materialising ``w[layer]``.
 
@@ -107,6 +111,11 @@ def stacked_matmul(
       blocks: ``(block_t, block_n, block_k)``; default from :func:`default_config`.
       interpret: run in the Pallas interpreter; default: on CPU.
       num_warps, num_stages: Triton compiler knobs; default from :func:`default_config`.
+      splits: split-K: ``splits`` programs per output tile each sum ``K / splits`` of the
+        products into float32 partials, added up afterwards. For few tokens and narrow
+        outputs (Llama-3-8B's k/v: 16 output tiles of 64) the unsplit kernel is bound by
+        each program's sequential walk over K (~50 us for any N at 16 tokens on an H100),
+        not by bandwidth. Not yet measured on a GPU; off by default.
     """
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"stacked_matmul: x {x.shape} and w {w.shape} must be [T, K] and [L, K, N]")
@@ -115,14 +124,16 @@ def stacked_matmul(
     auto_blocks, warps, stages = default_config(*x.shape, w.shape[2])
     return _stacked_matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1), blocks=blocks or auto_blocks,
                            interpret=common.default_interpret() if interpret is None else interpret,
-                           num_warps=num_warps or warps, num_stages=num_stages or stages)
+                           num_warps=num_warps or warps, num_stages=num_stages or stages, splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "num_warps", "num_stages"))
-def _stacked_matmul(x, w, layer, *, blocks, interpret, num_warps, num_stages):
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "num_warps", "num_stages", "splits"))
+def _stacked_matmul(x, w, layer, *, blocks, interpret, num_warps, num_stages, splits):
     T, K = x.shape
     N = w.shape[2]
     bt, bn, bk = blocks
+    if splits < 1 or K % (splits * bk):
+        raise ValueError(f"stacked_matmul: splits={splits} x block_k={bk} does not divide K={K}")
     for name, b, n in (("block_n", bn, N), ("block_k", bk, K)):
         if n % b:
             raise ValueError(f"stacked_matmul: {name}={b} does not divide {n}")
@@ -130,18 +141,26 @@ def _stacked_matmul(x, w, layer, *, blocks, interpret, num_warps, num_stages):
             raise ValueError(f"stacked_matmul: {name}={b} must be a power of two >= 16 on GPU")
     Tp = pl.cdiv(T, bt) * bt
     xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
+    if splits == 1:  # the output directly, in the activations' dtype
+        out_shape = jax.ShapeDtypeStruct((Tp, N), x.dtype)
+        out_spec = pl.BlockSpec((bt, bn), lambda j, i, s: (i, j))
+    else:  # float32 partial sums per split, added below
+        out_shape = jax.ShapeDtypeStruct((splits, Tp, N), jnp.float32)
+        out_spec = pl.BlockSpec((None, bt, bn), lambda j, i, s: (s, i, j))
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk),
-        grid=(N // bn, Tp // bt),
+        functools.partial(_kernel, block_k=bk, k_per_split=K // splits),
+        grid=(N // bn, Tp // bt, splits),
         in_specs=[
             pl.BlockSpec(),  # layer
-            pl.BlockSpec((bt, K), lambda j, i: (i, 0)),  # x
+            pl.BlockSpec((bt, K), lambda j, i, s: (i, 0)),  # x
             pl.BlockSpec(),  # the whole stack
         ],
-        out_specs=pl.BlockSpec((bt, bn), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((Tp, N), x.dtype),
+        out_specs=out_spec,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"stacked_matmul_t{bt}_n{bn}_k{bk}",
+        name=f"stacked_matmul_t{bt}_n{bn}_k{bk}" + (f"_s{splits}" if splits > 1 else ""),
     )(layer, xp, w)
+    if splits > 1:
+        out = out.sum(axis=0).astype(x.dtype)
     return out[:T] if Tp != T else out
