@@ -124,3 +124,31 @@ def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
     call_sites = lambda text: len(re.findall(r"call @_stacked_matmul", text))  # noqa: E731
     assert call_sites(decode_step(128)) == 7
     assert call_sites(decode_step(100)) == 4
+
+
+@pytest.mark.parametrize("extra, sites", [(0, 7), (16, 0)], ids=["at-the-bound", "past-it"])
+def test_mixed_steps_up_to_the_token_bound_read_the_weights_in_place(extra, sites):
+    """Steps of at most ``STACKED_MAX_TOKENS`` tokens (continuous batching's decode + prefill
+    chunks) take the kernel for all seven projections when lowered for CUDA; bigger prefill
+    steps keep XLA's matmul (cuBLAS outruns the kernel there, measured on an H100)."""
+    from flax import nnx
+
+    from jaxpaged import runner
+    from jaxpaged.attention import AttentionMetadata
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.kv_cache import init_kv_pool
+    from jaxpaged.model import STACKED_MAX_TOKENS, Llama
+
+    T, BS = STACKED_MAX_TOKENS + extra, 16
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=2 * T)
+    graphdef, params = nnx.split(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)))
+    nblocks = T // BS
+    kv = init_kv_pool(2, nblocks + 1, 2, BS, 16, jnp.float32)
+    md = AttentionMetadata(positions=jnp.arange(T), slot_mapping=BS + jnp.arange(T),
+                           block_tables=1 + jnp.arange(nblocks)[None], context_lens=jnp.array([T]),
+                           query_start_loc=jnp.array([0, T]), decode_only=False)
+    args = (graphdef, params, kv, jnp.zeros(T, jnp.int32), md, jnp.array([T - 1]))
+    with abstract_gpu():
+        cuda = runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"call @_stacked_matmul", cuda)) == sites
