@@ -98,13 +98,12 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
 
     def matmul(x, p, name: str, layer):
         sliced = getattr(p, name)[...]  # [*K, *N], this layer's slice, as the scan made it
-        k = x.ndim - 1
-        K, out = math.prod(x.shape[1:]), sliced.shape[k:]
+        K, out = math.prod(x.shape[1:]), sliced.shape[x.ndim - 1:]
+        # Every platform_dependent branch is traced: the kernel must accept the shape and dtype.
+        if not stacked or not supports(K, math.prod(out)) or x.dtype != sliced.dtype:
+            return dense(x, sliced)
         w = getattr(layers, name)[...]  # [L, *K, *N], the whole stack
         w = w.reshape(w.shape[0], K, math.prod(out))
-        # Every platform_dependent branch is traced: the kernel must accept the shape and dtype.
-        if not stacked or not supports(*w.shape[1:]) or x.dtype != w.dtype:
-            return dense(x, sliced)
 
         def kernel(x, w, layer):
             return stacked_matmul(x.reshape(x.shape[0], K), w, layer, interpret=False).reshape(x.shape[0], *out)

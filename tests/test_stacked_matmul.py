@@ -94,36 +94,47 @@ def test_supports_only_shapes_triton_can_tile():
     assert not supports(100, 128) and not supports(64, 8) and not supports(24, 64)
 
 
+def _model_step(cfg, kv, tokens, md, logits_indices):
+    """The model's step lowered for CUDA (StableHLO text) and run here (logits)."""
+    from flax import nnx
+
+    from jaxpaged import runner
+    from jaxpaged.model import Llama
+
+    graphdef, params = nnx.split(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)))
+    args = (graphdef, params, kv, tokens, md, logits_indices)
+    with abstract_gpu():
+        cuda = runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return cuda, args
+
+
+def _call_sites(cuda: str) -> int:
+    return len(re.findall(r"call @_stacked_matmul", cuda))
+
+
 def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
     """Decode steps lowered for CUDA read all seven projections (q, k, v, o, gate, up, down)
     with the kernel where it can tile them; an odd MLP width keeps XLA's matmul for the MLP
     on every platform instead of failing to trace, and the attention projections keep the kernel."""
-    from flax import nnx
-
     from jaxpaged import runner
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.config import LlamaConfig
     from jaxpaged.kv_cache import init_kv_pool
-    from jaxpaged.model import Llama
 
     def decode_step(intermediate):
         cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=intermediate, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=16)
-        graphdef, params = nnx.split(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)))
-        kv = init_kv_pool(2, 9, 2, 16, 16, jnp.float32)
         md = AttentionMetadata(positions=jnp.array([3, 0]), slot_mapping=jnp.array([19, 0]),
                                block_tables=jnp.array([[1, 0, 0, 0], [0, 0, 0, 0]]), context_lens=jnp.array([4, 0]),
                                query_start_loc=jnp.array([0, 1, 1]), decode_only=True)
-        args = (graphdef, params, kv, jnp.array([5, 0]), md, jnp.array([0, 1]))
-        with abstract_gpu():
-            cuda = runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        cuda, args = _model_step(cfg, init_kv_pool(2, 9, 2, 16, 16, jnp.float32), jnp.array([5, 0]), md,
+                                 jnp.array([0, 1]))
         logits, _ = runner._forward(*args)
         assert bool(jnp.all(jnp.isfinite(logits)))
         return cuda
 
-    call_sites = lambda text: len(re.findall(r"call @_stacked_matmul", text))  # noqa: E731
-    assert call_sites(decode_step(128)) == 7
-    assert call_sites(decode_step(100)) == 4
+    assert _call_sites(decode_step(128)) == 7
+    assert _call_sites(decode_step(100)) == 4
 
 
 @pytest.mark.parametrize("extra, sites", [(0, 7), (16, 0)], ids=["at-the-bound", "past-it"])
@@ -131,24 +142,18 @@ def test_mixed_steps_up_to_the_token_bound_read_the_weights_in_place(extra, site
     """Steps of at most ``STACKED_MAX_TOKENS`` tokens (continuous batching's decode + prefill
     chunks) take the kernel for all seven projections when lowered for CUDA; bigger prefill
     steps keep XLA's matmul (cuBLAS outruns the kernel there, measured on an H100)."""
-    from flax import nnx
-
-    from jaxpaged import runner
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.config import LlamaConfig
     from jaxpaged.kv_cache import init_kv_pool
-    from jaxpaged.model import STACKED_MAX_TOKENS, Llama
+    from jaxpaged.model import STACKED_MAX_TOKENS
 
     T, BS = STACKED_MAX_TOKENS + extra, 16
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=2 * T)
-    graphdef, params = nnx.split(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)))
     nblocks = T // BS
-    kv = init_kv_pool(2, nblocks + 1, 2, BS, 16, jnp.float32)
     md = AttentionMetadata(positions=jnp.arange(T), slot_mapping=BS + jnp.arange(T),
                            block_tables=1 + jnp.arange(nblocks)[None], context_lens=jnp.array([T]),
                            query_start_loc=jnp.array([0, T]), decode_only=False)
-    args = (graphdef, params, kv, jnp.zeros(T, jnp.int32), md, jnp.array([T - 1]))
-    with abstract_gpu():
-        cuda = runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(re.findall(r"call @_stacked_matmul", cuda)) == sites
+    cuda, _ = _model_step(cfg, init_kv_pool(2, nblocks + 1, 2, BS, 16, jnp.float32), jnp.zeros(T, jnp.int32), md,
+                          jnp.array([T - 1]))
+    assert _call_sites(cuda) == sites
