@@ -25,6 +25,7 @@ from jaxpaged.engine_core import EngineCore
 from jaxpaged.input_processor import InputProcessor, PromptType, pair_prompts
 from jaxpaged.kv_cache import kv_pool_bytes
 from jaxpaged.loader import LoadedModel, load_model, shard_model
+from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner import ModelRunner
@@ -77,13 +78,14 @@ class LLM:
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling)
         if isinstance(model, LoadedModel):
-            lm = model
+            # Sharded, then in the form it runs in (shared by engines over the same model).
+            lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
             if attention_backend != lm.model.attention_backend:
                 lm = dataclasses.replace(lm, model=lm.model.with_backend(attention_backend))
-            lm = dataclasses.replace(lm, model=shard_model(lm.model, tensor_parallel_size))
         else:
             lm = load_model(model, dtype=dtype, attention_backend=attention_backend,
                             tensor_parallel_size=tensor_parallel_size)
+            lm = dataclasses.replace(lm, model=runtime_form(lm.model))  # the loaded stack is let go
         self.args, self.loaded, self.config, self.tokenizer = args, lm, lm.config, lm.tokenizer
         self.tensor_parallel_size, self.block_size = tensor_parallel_size, block_size
         cfg = lm.config

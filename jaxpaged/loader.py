@@ -255,6 +255,9 @@ def build_model(cfg: LlamaConfig, params: dict, *, dtype=jnp.float32, attention_
 def shard_model(model: Llama, tensor_parallel_size: int) -> Llama:
     """The same model over a ``tensor_parallel_size`` mesh (params moved device to device),
     or ``model`` itself when it is already laid out that way."""
+    if tensor_parallel_size > 1 and not model.is_stacked:
+        raise ValueError("shard_model: this model's layers were unstacked for one CPU device (an engine's "
+                         "runtime form); shard the model load_model returned instead")
     mesh = sharding.make_mesh(tensor_parallel_size, model.cfg)
     if mesh == model.mesh:
         return model

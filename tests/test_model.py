@@ -1,4 +1,5 @@
-"""The Flax Llama over the paged pool equals Hugging Face's PyTorch Llama in float32."""
+"""The Flax Llama over the paged pool equals Hugging Face's PyTorch Llama in float32, in both
+forms: layers stacked (as loaded; GPU, TPU, tensor parallelism) and unstacked (one CPU device)."""
 
 import numpy as np
 import pytest
@@ -11,6 +12,17 @@ from paged import dot_precisions, step_metadata
 BS = 4  # small blocks, so sequences span many blocks
 
 
+@pytest.fixture(params=["stacked", "unstacked"])
+def form(request):
+    return request.param
+
+
+def model_in(lm, form):
+    model = lm.model.unstacked() if form == "unstacked" else lm.model
+    assert model.is_stacked == (form == "stacked")
+    return model
+
+
 def hf_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].numpy()
@@ -20,19 +32,21 @@ def new_pool(cfg, num_blocks):
     return init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, BS, cfg.head_dim)
 
 
-def test_prefill_logits_match_hf(tiny_hf):
+def test_prefill_logits_match_hf(tiny_hf, form):
     folder, hf = tiny_hf
     lm = load_model(folder, dtype=np.float32, attention_backend="reference")  # not the GPU default, bf16
+    model = model_in(lm, form)
     ids = np.random.default_rng(1).integers(0, lm.config.vocab_size, 23).tolist()
     md = step_metadata([0], [len(ids)], block_size=BS, blocks_per_seq=8)
-    logits, _ = lm.model(np.array(ids, np.int32), new_pool(lm.config, 9), md)
+    logits, _ = model(np.array(ids, np.int32), new_pool(lm.config, 9), md)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
-def test_batched_prefill_then_decode_matches_each_sequence_alone(tiny_hf):
+def test_batched_prefill_then_decode_matches_each_sequence_alone(tiny_hf, form):
     """Three sequences of different lengths share one pool: a packed prefill, then decode steps."""
     folder, hf = tiny_hf
     lm = load_model(folder, dtype=np.float32, attention_backend="reference")  # not the GPU default, bf16
+    model = model_in(lm, form)
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, lm.config.vocab_size, n).tolist() for n in (5, 11, 2)]
     per_seq = 8
@@ -42,34 +56,35 @@ def test_batched_prefill_then_decode_matches_each_sequence_alone(tiny_hf):
                        pad_tokens=3, pad_seqs=1)
     tokens = np.array(sum(seqs, []) + [0, 0, 0], np.int32)
     last = np.cumsum([len(s) for s in seqs]) - 1
-    logits, kv = lm.model(tokens, kv, md, logits_indices=np.asarray(last, np.int32))
+    logits, kv = model(tokens, kv, md, logits_indices=np.asarray(last, np.int32))
     for step in range(5):
         for i, s in enumerate(seqs):
             np.testing.assert_allclose(np.asarray(logits[i]), hf_logits(hf, s)[-1], atol=1e-4, rtol=0,
                                        err_msg=f"sequence {i}, step {step}")
         nxt = [int(rng.integers(0, lm.config.vocab_size)) for _ in seqs]
         md = step_metadata([len(s) for s in seqs], [1] * 3, block_size=BS, blocks_per_seq=per_seq)
-        logits, kv = lm.model(np.array(nxt, np.int32), kv, md)
+        logits, kv = model(np.array(nxt, np.int32), kv, md)
         for s, t in zip(seqs, nxt):
             s.append(t)
 
 
-def test_chunked_prefill_matches_hf(tiny_hf):
+def test_chunked_prefill_matches_hf(tiny_hf, form):
     """A prompt fed in chunks that start mid-block attends to its cached prefix."""
     folder, hf = tiny_hf
     lm = load_model(folder, dtype=np.float32, attention_backend="reference")  # not the GPU default, bf16
+    model = model_in(lm, form)
     ids = np.random.default_rng(3).integers(0, lm.config.vocab_size, 19).tolist()
     kv = new_pool(lm.config, 9)
     done = 0
     for chunk in (6, 7, 6):
         md = step_metadata([done], [chunk], block_size=BS, blocks_per_seq=8)
-        logits, kv = lm.model(np.array(ids[done:done + chunk], np.int32), kv, md)
+        logits, kv = model(np.array(ids[done:done + chunk], np.int32), kv, md)
         done += chunk
     np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, ids)[-6:], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_float32_matmuls_ask_for_full_precision(tiny_hf, dtype):
+def test_float32_matmuls_ask_for_full_precision(tiny_hf, dtype, form):
     """On GPU the default multiplies float32 in TF32 (~1e-3 relative error); a float32
     model must ask for HIGHEST in every projection and the LM head (and the attention
     it calls). bfloat16 leaves the choice to ``jax.default_matmul_precision``."""
@@ -78,15 +93,49 @@ def test_float32_matmuls_ask_for_full_precision(tiny_hf, dtype):
 
     folder, _ = tiny_hf
     lm = load_model(folder, dtype=getattr(jnp, dtype), attention_backend="xla")
+    model = model_in(lm, form)
     md = step_metadata([0], [5], block_size=BS, blocks_per_seq=2)
     pool = init_kv_pool(lm.config.num_layers, 3, lm.config.num_kv_heads, BS, lm.config.head_dim,
                         getattr(jnp, dtype))
-    jaxpr = jax.make_jaxpr(lambda t, kv: lm.model(t, kv, md))(np.arange(5, dtype=np.int32), pool).jaxpr
+    jaxpr = jax.make_jaxpr(lambda t, kv: model(t, kv, md))(np.arange(5, dtype=np.int32), pool).jaxpr
     kinds = [None if p is None else set(p) for p in dot_precisions(jaxpr)]
     highest = {jax.lax.Precision.HIGHEST}
-    # The scanned layer body's 7 projections and the LM head; the xla attention path's own
+    # The LM head and the layers' projections: 7 in the stacked scan body; 4 per layer in the
+    # unstacked form's switch branches (q/k/v and gate/up fused). The xla attention path's own
     # dots compute in float32 whatever the pool's dtype.
+    model_dots = 1 + (7 if form == "stacked" else 4 * lm.config.num_layers)
     if dtype == "float32":
-        assert len(kinds) >= 8 and all(k == highest for k in kinds), kinds
-    else:  # the model's 8 dots follow jax.default_matmul_precision
-        assert kinds.count(None) == 8 and all(k in (None, highest) for k in kinds), kinds
+        assert len(kinds) >= model_dots and all(k == highest for k in kinds), kinds
+    else:  # the model's dots follow jax.default_matmul_precision
+        assert kinds.count(None) == model_dots and all(k in (None, highest) for k in kinds), kinds
+
+
+def test_unstacked_layers_are_the_stacked_ones(tiny_hf):
+    """Layer i's fused arrays hold exactly layer i's weights, in q, k, v and gate, up order."""
+    lm = load_model(tiny_hf[0], dtype=np.float32)
+    stack, cfg = lm.model.layers, lm.config
+    D = cfg.hidden_size
+    for i, p in enumerate(lm.model.unstacked().layers):
+        q, k, v = (np.asarray(getattr(stack, n)[...][i]).reshape(D, -1) for n in ("wq", "wk", "wv"))
+        np.testing.assert_array_equal(np.asarray(p.wqkv[...]), np.concatenate([q, k, v], axis=1))
+        gate, up = np.asarray(stack.w_gate[...][i]), np.asarray(stack.w_up[...][i])
+        np.testing.assert_array_equal(np.asarray(p.w_gate_up[...]), np.concatenate([gate, up], axis=1))
+        np.testing.assert_array_equal(np.asarray(p.wo[...]), np.asarray(stack.wo[...][i]).reshape(-1, D))
+        np.testing.assert_array_equal(np.asarray(p.w_down[...]), np.asarray(stack.w_down[...][i]))
+        np.testing.assert_array_equal(np.asarray(p.input_norm[...]), np.asarray(stack.input_norm[...][i]))
+
+
+def test_engines_over_one_cpu_model_share_its_unstacked_form(tiny_hf):
+    """On one CPU device an engine runs the unstacked form; engines over the same loaded model
+    share one copy of it (not one each), and the caller's model keeps its stack."""
+    from jaxpaged import LLM
+    from jaxpaged.loader import shard_model
+
+    lm = load_model(tiny_hf[0], dtype=np.float32)
+    a, b = LLM(lm, num_blocks=16), LLM(lm, num_blocks=16, attention_backend="reference")
+    assert lm.model.is_stacked and not a.loaded.model.is_stacked and not b.loaded.model.is_stacked
+    assert a.loaded.model.layers[1].wqkv[...] is b.loaded.model.layers[1].wqkv[...]
+    assert a.loaded.model.embed[...] is lm.model.embed[...]  # what is not per layer is shared
+    assert shard_model(a.loaded.model, 1) is a.loaded.model
+    with pytest.raises(ValueError, match="unstacked for one CPU device"):
+        shard_model(a.loaded.model, 2)

@@ -128,6 +128,8 @@ def test_tiny_engine_same_greedy_tokens(engines, tp):
     assert llm.stats()["prefix_cache_hits"] > 0
     assert llm.runner.kv.k.sharding == sharding.pool_sharding(llm.runner.mesh)  # after donated steps
     assert engines[1][0].loaded.model.mesh is None  # tp=1: no mesh at all
+    # tp=1 runs the per-layer CPU form (the reference above), tp > 1 the sharded stack.
+    assert not engines[1][0].loaded.model.is_stacked and llm.loaded.model.is_stacked
 
 
 def test_swap_preemption_keeps_the_pool_sharded(tiny, engines):
