@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.sampler import (
+    first_argmax,
     TOP_P_WINDOW, SamplingRow, build_sampling_metadata, compute_logprobs, gumbel_noise, process_logits, sample,
     truncate_logits,
 )
@@ -476,3 +477,14 @@ def test_sample_checks_logits_shape():
     sm, _, _ = build_sampling_metadata([(SP(), 0, [], [])], 2, V, [])
     with pytest.raises(ValueError, match=r"logits have shape \(3, 64\)"):
         sample(random_logits(12, 3), sm, num_logprobs=0, use_penalties=False)
+
+
+def test_first_argmax_is_numpys_argmax():
+    """Ties resolve to the first index, as np.argmax; rows of -inf (all banned) give 0."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((9, 1000)).astype(np.float32)
+    x[1, [3, 500, 999]] = 10.0  # a three-way tie
+    x[2, [998, 999]] = 10.0  # a tie at the end
+    x[3] = -np.inf
+    x[4, :] = 1.0
+    np.testing.assert_array_equal(np.asarray(first_argmax(x)), np.argmax(x, axis=-1))
