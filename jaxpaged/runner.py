@@ -124,7 +124,10 @@ class ModelRunner:
         self.graphdef = _HashedOnce(graphdef)
         self.dtype = dtype or model.dtype
         self.mesh = model.mesh
-        pool_device = None if self.mesh is None else sharding.pool_sharding(self.mesh)
+        # Committed to the params' device, as every step's output pool is: an uncommitted first
+        # pool made the first step's shape compile twice (once per commitment).
+        pool_device = (next(iter(model.embed[...].devices())) if self.mesh is None
+                       else sharding.pool_sharding(self.mesh))
         self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
                                device=pool_device)
         if num_host_blocks and self.mesh is not None and not all(

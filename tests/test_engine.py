@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxpaged import LLM, SamplingParams
+from jaxpaged import LLM, SamplingParams, runner
 
 PROMPTS = [
     "The quick brown fox",
@@ -215,8 +215,12 @@ def test_compiled_shapes_bounded_over_mixed_workload(tiny_engine_model):
     # The sampler, compiled apart: R = S (6) and two modes (all greedy or not). They add up.
     assert 0 < n <= (6 + 6 * 5) * 5 + 6 * 2, n
     print(f"{n} compiled step shapes for 200 mixed requests")
+    executables = runner._forward._cache_size()
     llm.generate(prompts, params, use_tqdm=False)  # the same workload again: nothing new to compile
     assert llm.stats()["num_compiled_shapes"] == n
+    # Nor anything XLA would see as new: the first pool was once uncommitted, so the first
+    # step's shape compiled again with the committed pool every later step returns.
+    assert runner._forward._cache_size() == executables
     assert_no_leak(llm)
 
 
