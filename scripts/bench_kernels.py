@@ -9,6 +9,10 @@
    of the measured bandwidth.
 3. A decode step (``scan`` over layers of ``write_kv`` + attention, the pool donated) at
    1k / 4k / 16k pool blocks: must be flat.
+4. Mixed steps (decode rows beside prompt chunks, as continuous batching admits prompts):
+   the xla backend's ragged attention over 30 layers per query block size (the default
+   is ``_default_block_q``), and beside it the same step split in two, the decode rows
+   through the decode path and the prompt rows alone through the ragged one.
 
 Shapes are the default model's attention (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64, float32), block size 16. Pallas runs in interpret mode on CPU, which is a
@@ -37,7 +41,7 @@ from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.paged_attention import paged_decode_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention
-from jaxpaged.pallas.xla import xla_paged_decode_attention
+from jaxpaged.pallas.xla import _default_block_q, xla_paged_decode_attention, xla_ragged_paged_attention
 
 HQ, KVH, D, BS = 9, 3, 64, 16
 DTYPE = jnp.float32
@@ -228,6 +232,54 @@ def step_rows(pool_sizes, num_layers, num_seqs, ctx, backend, reps):
     return rows
 
 
+def mixed_inputs(q_lens, ctx_lens, num_layers=30, width=16, seed=0):
+    """Ragged-attention arguments for rows with ``q_lens`` new tokens over ``ctx_lens`` keys."""
+    rng = np.random.default_rng(seed)
+    S = len(q_lens)
+    nb = 1 + S * width
+    k, v = (jnp.asarray(rng.standard_normal((num_layers, nb, KVH, BS, D)), DTYPE) for _ in range(2))
+    tables = np.zeros((S, width), np.int32)
+    for s, n in enumerate(ctx_lens):
+        tables[s, :-(-n // BS)] = 1 + s * width + np.arange(-(-n // BS))
+    q = jnp.asarray(rng.standard_normal((sum(q_lens), HQ, D)), DTYPE)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return q, k, v, jnp.asarray(tables), jnp.asarray(ctx_lens, jnp.int32), qsl
+
+
+def over_layers(fn, num_layers=30):
+    """``fn(q, k, v, layer, ...)`` summed over every layer of the pool, in one jit."""
+    return jax.jit(lambda q, k, v, *rest: sum(fn(q, k, v, layer, *rest) for layer in range(num_layers)))
+
+
+def mixed_rows(compositions, reps):
+    """Per composition (decode rows at context 150 + prompt tokens in rows of 100): ms of the
+    ragged attention over 30 layers per block_q, and of the split (decode path + ragged path)."""
+    rows = []
+    for num_decodes, prompt_tokens in compositions:
+        prompts = [100] * (prompt_tokens // 100) + ([prompt_tokens % 100] if prompt_tokens % 100 else [])
+        q_lens, ctx = [1] * num_decodes + prompts, [150] * num_decodes + prompts
+        args = mixed_inputs(q_lens, ctx)
+        q, k, v, tables, lens, qsl = args
+        default = _default_block_q(q.shape[0], tables.shape[0])
+        cases = {f"ragged, block_q {bq}{' (default)' if bq == default else ''}": (
+            over_layers(functools.partial(xla_ragged_paged_attention, scale=D ** -0.5, block_q=bq)), args)
+            for bq in (8, 16, 32)}
+        nd = num_decodes
+        if nd == 0:  # nothing to split
+            times = time_round_robin(cases, reps=reps, warmup=1)
+            rows += [(f"0 dec + {prompt_tokens} prompt", name, med * 1e3, best * 1e3)
+                     for name, (med, best) in times.items()]
+            continue
+        cases["split: decode rows"] = (over_layers(functools.partial(xla_paged_decode_attention, scale=D ** -0.5)),
+                                       (q[:nd], k, v, tables[:nd], lens[:nd]))
+        cases["split: prompt rows"] = (over_layers(functools.partial(xla_ragged_paged_attention, scale=D ** -0.5)),
+                                       (q[nd:], k, v, tables[nd:], lens[nd:], qsl[nd:] - nd))
+        times = time_round_robin(cases, reps=reps, warmup=1)
+        label = f"{nd} dec + {prompt_tokens} prompt"
+        rows += [(label, name, med * 1e3, best * 1e3) for name, (med, best) in times.items()]
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -257,6 +309,13 @@ def main():
     for backend in ("xla", "reference"):
         for r in step_rows(pools, num_layers, num_seqs, ctx, backend, reps):
             print(f"{r[0]:>12}  {r[1]:<10}{r[2]:>9.0f}{r[3]:>11.2f}{r[4]:>9.2f}")
+
+    compositions = [(15, 497), (39, 473)] if args.quick else [(0, 512), (5, 507), (15, 497), (29, 483), (39, 473)]
+    print("\n## mixed steps: xla ragged attention over 30 layers (decode rows at context 150, prompts of "
+          "100 tokens); the split's two rows add up to one step")
+    print(f"{'step':<24}{'implementation':<30}{'median ms':>10}{'min ms':>9}")
+    for r in mixed_rows(compositions, max(3, reps // 3)):
+        print(f"{r[0]:<24}{r[1]:<30}{r[2]:>10.1f}{r[3]:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ def step_args(decode: bool, *, backend="auto", cfg=TINY, dtype=jnp.float32):
     pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, BS, cfg.head_dim), dtype)
     q, _, _, md = attention_args(decode)
     T, S = q.shape[0], md.context_lens.shape[0]
-    return graphdef, abstract(params), KVPool(pool, pool), i32((T,)), md, i32((S,))
+    return jaxpaged.runner._HashedOnce(graphdef), abstract(params), KVPool(pool, pool), i32((T,)), md, i32((S,))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
