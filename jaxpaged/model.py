@@ -189,8 +189,8 @@ class Llama(nnx.Module):
         the layers' weights; the rest is shared). The layer loop then picks the layer's
         weights with ``lax.switch`` instead of slicing the stack: under ``lax.scan`` XLA:CPU
         copies every layer's slice before its matmuls (14 MB a layer for SmolLM2, 425 MB a
-        step), which makes a batch-1 decode step bandwidth-bound twice. One device only:
-        tensor parallelism shards the stack.
+        step), so a bandwidth-bound batch-1 decode step moved each weight three times (read,
+        write, read) instead of once. One device only: tensor parallelism shards the stack.
         """
         if self.mesh is not None:
             raise ValueError("unstacked(): a model sharded for tensor parallelism keeps its layers stacked")

@@ -260,7 +260,8 @@ def test_tp3_step_lowers_to_the_platforms_kernel_per_shard(decode):
     pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, block_size, cfg.head_dim), np.float32,
                                 sharding=sharding.pool_sharding(model.mesh))
     q, _, _, md = attention_args(decode)
-    args = (graphdef, params, KVPool(pool, pool), i32(q.shape[:1]), md, i32(md.context_lens.shape))
+    args = (jaxpaged.runner._HashedOnce(graphdef), params, KVPool(pool, pool), i32(q.shape[:1]), md,
+            i32(md.context_lens.shape))
     # Not compat.abstract_gpu: its one-device abstract mesh would clash with the "tp" mesh.
     lowered = {p: jaxpaged.runner._forward.trace(*args).lower(lowering_platforms=(p,)).as_text()
                for p in ("tpu", "cuda", "cpu")}
