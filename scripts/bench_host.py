@@ -78,7 +78,8 @@ def device_only(lm: LoadedModel, batch_size: int, context: int, repeats: int = 5
     """ms per step of the jitted model + greedy sampler alone, on a decode batch of this shape."""
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.kv_cache import init_kv_pool
-    from jaxpaged.runner import _forward
+    from jaxpaged.model import runtime_form
+    from jaxpaged.runner import _HashedOnce, _forward
     from jaxpaged.sampler import build_sampling_metadata, sample
 
     from flax import nnx
@@ -91,7 +92,8 @@ def device_only(lm: LoadedModel, batch_size: int, context: int, repeats: int = 5
     md = AttentionMetadata(positions=pos, slot_mapping=tables[:, -1] * bs + context % bs, block_tables=tables,
                            context_lens=pos + 1, query_start_loc=np.arange(batch_size + 1, dtype=np.int32),
                            decode_only=True)
-    graphdef, params = nnx.split(lm.model)
+    graphdef, params = nnx.split(runtime_form(lm.model))  # the form an engine runs
+    graphdef = _HashedOnce(graphdef)
     sm, _, _ = build_sampling_metadata([], batch_size, CFG.vocab_size, ())
     tokens = np.arange(batch_size, dtype=np.int32)
     sample_fn = jax.jit(lambda logits, sm: sample(logits, sm, num_logprobs=0, use_penalties=False).tokens)
