@@ -86,9 +86,6 @@ class AttentionMetadata:
     context_lens: Int[Array, "S"]  # tokens in the cache after this step's writes; 0 = padding row
     query_start_loc: Int[Array, "S+1"]  # sequence s owns tokens [qsl[s], qsl[s+1])
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))  # T == S, one token each
-    # The first num_decodes sequences have one query token each (a lower bound, bucketed so
-    # that it adds few compiled shapes): the xla backend runs them through its decode path.
-    num_decodes: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 def check_backend(backend: str) -> None:
@@ -110,7 +107,7 @@ def resolve_backend(backend: str, platform: str) -> str | None:
 
 
 def _attend(impl: str, interpret: bool, q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc,
-            positions, *, decode: bool, num_decodes: int, scale: float, num_splits: int | None, debug: bool):
+            positions, *, decode: bool, scale: float, num_splits: int | None, debug: bool):
     """One implementation over the arguments of :func:`paged_attention`, flattened."""
     args = (q, k_pool, v_pool, layer, block_tables, context_lens)
     if impl == "reference":
@@ -118,7 +115,7 @@ def _attend(impl: str, interpret: bool, q, k_pool, v_pool, layer, block_tables, 
     if impl == "xla":
         if decode:
             return xla_paged_decode_attention(*args, scale=scale, debug=debug)
-        return xla_ragged_paged_attention(*args, query_start_loc, scale=scale, num_decodes=num_decodes, debug=debug)
+        return xla_ragged_paged_attention(*args, query_start_loc, scale=scale, debug=debug)
     decode_fn, ragged_fn = {"pallas_gpu": (paged_decode_attention, ragged_paged_attention),
                             "pallas_tpu": (tpu_paged_decode_attention, tpu_ragged_paged_attention)}[impl]
     if impl == "pallas_tpu" and interpret:
@@ -169,8 +166,7 @@ def paged_attention(
     check_paged_inputs(q, kv.k, kv.v, md.block_tables, md.context_lens, md.query_start_loc,
                        decode=md.decode_only, what="paged_attention")
     args = (q, kv.k, kv.v, layer, md.block_tables, md.context_lens, md.query_start_loc, md.positions)
-    attend = functools.partial(_attend, decode=md.decode_only, num_decodes=md.num_decodes, scale=scale,
-                               num_splits=num_splits, debug=debug)
+    attend = functools.partial(_attend, decode=md.decode_only, scale=scale, num_splits=num_splits, debug=debug)
     row = _SELECTION[backend]
     if set(row) == {None}:  # the same code on every platform: no platform_dependent at all
         return attend(row[None], False, *args)

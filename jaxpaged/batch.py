@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxpaged.padding import NULL_BLOCK, bucket, floor_bucket, row_bucket
+from jaxpaged.padding import NULL_BLOCK, bucket, row_bucket
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence
 
@@ -56,34 +56,27 @@ class Batch:
     # [T] int32: -1, or for a token the host does not know yet (async scheduling) the row of
     # the previous step's sampled tokens that holds it. None when every token is known.
     token_src: np.ndarray | None = None
-    num_decodes: int = 0  # see AttentionMetadata.num_decodes; 0 unless asked (split_decodes)
 
     @property
     def shape_key(self) -> tuple:
-        """What the model's compilation depends on: (T, (S, W), R + P, decode_only, num_decodes)."""
+        """What the model's compilation depends on: (T, (S, W), R + P, decode_only)."""
         return (self.tokens.shape[0], self.block_tables.shape,
-                self.logits_indices.shape[0] + self.prompt_lp_indices.shape[0], self.decode_only, self.num_decodes)
+                self.logits_indices.shape[0] + self.prompt_lp_indices.shape[0], self.decode_only)
 
 
 def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8,
-                pending_rows: Mapping[int, int] | None = None, split_decodes: bool = False) -> Batch:
+                pending_rows: Mapping[int, int] | None = None) -> Batch:
     """Padded arrays for one step, from what the scheduler decided (block tables included).
 
     The scheduler's block moves (``out.block_ops``) are the runner's to apply, before the step.
     ``pending_rows`` maps a sequence id to the row of the previous step that sampled its
     pending token (async scheduling); a chunk may end with that token, and ``token_src``
-    says where the device finds it. ``split_decodes``: in a mixed step, count the leading
-    sequences of one token each (the scheduler lists running sequences first, oldest
-    first, so these are mostly its decodes), rounded down to a power of two from 8
-    (``num_decodes``); nothing is reordered.
+    says where the device finds it.
     """
     sched = out.scheduled
     num_seqs = len(sched)
     num_tokens = sum(s.num_new_tokens for s in sched)
     decode_only = all(s.num_new_tokens == 1 for s in sched)
-    num_decodes = 0
-    if split_decodes and not decode_only:
-        num_decodes = floor_bucket(next(i for i, s in enumerate(sched) if s.num_new_tokens != 1))
     S = row_bucket(num_seqs)
     T = S if decode_only else bucket(num_tokens, token_floor)
     S = max(S, 1)
@@ -165,4 +158,4 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
         pi[:num_lp] = np.concatenate(lp_idx)
         pt[:num_lp] = np.concatenate(lp_tgt)
     return Batch(tokens, positions, slots, block_tables, context_lens, qsl, decode_only, li, rows,
-                 pi, pt, lp_rows, num_tokens, token_src, num_decodes)
+                 pi, pt, lp_rows, num_tokens, token_src)

@@ -26,9 +26,3 @@ def row_bucket(n: int) -> int:
     slower on CPU than at 48. This pads by at most 25%, for four shapes per octave."""
     p = next_power_of_2(n)
     return p if p <= 32 else -(-n // (p // 8)) * (p // 8)
-
-
-def floor_bucket(n: int, floor: int = 8) -> int:
-    """Largest power of two <= n, or 0 below ``floor``: a count that may be rounded down
-    (a lower bound stays correct) in a few shapes."""
-    return 0 if n < floor else 1 << (int(n).bit_length() - 1)

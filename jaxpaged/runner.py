@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged import sharding
-from jaxpaged.attention import AttentionMetadata, resolve_backend
+from jaxpaged.attention import AttentionMetadata
 from jaxpaged.batch import Batch, build_batch
 from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks
 from jaxpaged.model import Llama
@@ -126,12 +126,8 @@ class ModelRunner:
         self.mesh = model.mesh
         # Committed to the params' device, as every step's output pool is: an uncommitted first
         # pool made the first step's shape compile twice (once per commitment).
-        device = next(iter(model.embed[...].devices()))
-        pool_device = device if self.mesh is None else sharding.pool_sharding(self.mesh)
-        # Mixed steps tell the xla attention backend how many leading rows are decodes (it
-        # runs them apart); the Pallas kernels take any mix as it is, so no extra shapes there.
-        platform = {"gpu": "cuda"}.get(device.platform, device.platform)
-        self.split_decodes = resolve_backend(model.attention_backend, platform) == "xla"
+        pool_device = (next(iter(model.embed[...].devices())) if self.mesh is None
+                       else sharding.pool_sharding(self.mesh))
         self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
                                device=pool_device)
         if num_host_blocks and self.mesh is not None and not all(
@@ -209,7 +205,7 @@ class ModelRunner:
         if not out.scheduled:
             return None
         batch = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
-                            pending_rows=prev.rows if prev is not None else None, split_decodes=self.split_decodes)
+                            pending_rows=prev.rows if prev is not None else None)
         # A sampling chunk ends at the sequence's last token, pending ones included, and the
         # scheduler has just advanced num_computed_tokens to that end.
         rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
@@ -255,7 +251,7 @@ class ModelRunner:
         md = AttentionMetadata(
             positions=batch.positions, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
             context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
-            decode_only=batch.decode_only, num_decodes=batch.num_decodes,
+            decode_only=batch.decode_only,
         )
         idx = np.concatenate([batch.logits_indices, batch.prompt_lp_indices])
         self.compiled_shapes.add(("forward", *batch.shape_key))

@@ -222,20 +222,6 @@ class TestXlaKernels:
         assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
 
 
-    @pytest.mark.parametrize("num_decodes", [1, 3, 5])
-    def test_ragged_runs_leading_decodes_apart(self, num_decodes):
-        """Mixed steps split: the leading single-token rows through the decode path, the rest
-        through the query blocks. Any lower bound of the leading decodes is correct."""
-        case = dict(block_size=8, ratio=3, head_dim=64, dtype=jnp.float32)
-        bs = case["block_size"]
-        decodes = [(0, 1), (bs - 1, 1), (200, 1), (3, 1), (2 * bs, 1)]
-        args, positions = ragged_case(40 + num_decodes, chunks=decodes + ragged_chunks(bs), **case)
-        out = xla_ragged_paged_attention(*args, scale=0.1, num_decodes=num_decodes)
-        assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
-        with pytest.raises(ValueError, match=r"num_decodes=14 must be in \[0, 14\)"):
-            xla_ragged_paged_attention(*args, scale=0.1, num_decodes=14)
-
-
 def test_split_k_is_chosen_for_long_tables_on_small_grids():
     assert auto_num_splits(2048, 8) == 1  # short table: single pass
     assert auto_num_splits(8192, 8) == 8  # long table, few programs: one partition per 1024 keys

@@ -264,7 +264,6 @@ def xla_ragged_paged_attention(
     scale: float,
     block_q: int | None = None,
     pages_per_chunk: int | None = None,
-    num_decodes: int = 0,
     debug: bool = False,
 ) -> Float[Array, "T Hq D"]:
     """Ragged (prefill / mixed) attention in XLA ops; same contract as
@@ -275,26 +274,9 @@ def xla_ragged_paged_attention(
     rows; decode-only batches should use :func:`xla_paged_decode_attention`. Default
     ``block_q``: see ``_default_block_q`` (prefill chunks run best at 16-32 rows, batches
     of mostly decodes at 8).
-
-    ``num_decodes`` (static): the first ``num_decodes`` sequences have one query token
-    each (so token ``i`` is sequence ``i``'s). They go through the decode path and only the
-    rest through the query blocks, as vLLM splits a mixed batch: 40 decode rows at context
-    150 beside 472 prompt tokens, 30 layers, ~130 instead of ~190-210 ms on 2 vCPUs
-    (``scripts/bench_kernels.py``). Any lower bound of the leading single-token rows is
-    correct.
     """
     common.check_paged_inputs(q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
                               decode=False, what="xla_ragged_paged_attention")
-    if not 0 <= num_decodes < block_tables.shape[0]:
-        raise ValueError(f"num_decodes={num_decodes} must be in [0, {block_tables.shape[0]}), the sequences")
-    if num_decodes:
-        d = num_decodes
-        o_dec = xla_paged_decode_attention(q[:d], k_pool, v_pool, layer, block_tables[:d], context_lens[:d],
-                                           scale=scale, debug=debug)
-        o_rest = xla_ragged_paged_attention(q[d:], k_pool, v_pool, layer, block_tables[d:], context_lens[d:],
-                                            query_start_loc[d:] - d, scale=scale, block_q=block_q,
-                                            pages_per_chunk=pages_per_chunk, debug=debug)
-        return jnp.concatenate([o_dec, o_rest], axis=0)
     if block_q is None:
         block_q = _default_block_q(q.shape[0], block_tables.shape[0])
     return _xla_ragged(q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc,
