@@ -6,8 +6,7 @@ of every row's blocks from the full stacked pool in one gather (layer folded int
 row id) and multiplies it in float32. The loops stop at the longest context in the batch,
 not at the table width. Decode runs two passes (logits of every chunk, one exact softmax,
 then ``p @ v`` chunk by chunk, see ``_two_pass_decode``); ragged batches, whose logits
-would be too big to keep, an online softmax (``_blocked_attention``). A mixed batch's
-leading decode rows (``num_decodes``) take the decode path, the rest the ragged one.
+would be too big to keep, an online softmax (``_blocked_attention``).
 
 What the profile of XLA:CPU (jax 0.10.2, YNNPACK dots, 2-vCPU box) says, and what follows:
 
