@@ -307,7 +307,7 @@ def runtime_form(model: Llama) -> Llama:
     (GPUs read the stack in place, see :func:`_layer_matmuls`; tensor parallelism shards it).
 
     Measured on SmolLM2 in float32 (2-core AMD EPYC, alternating in one process): single-stream
-    decode 46-48 -> 54-56 tok/s, 48 requests x 128 tokens 340-346 -> 350-374 generated tok/s,
+    decode 43-49 -> 54-56 tok/s, 48 requests x 128 tokens 312-346 -> 346-377 generated tok/s,
     the same greedy tokens.
     """
     if not model.is_stacked or model.mesh is not None:

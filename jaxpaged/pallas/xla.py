@@ -245,7 +245,8 @@ def _default_block_q(num_tokens: int, num_seqs: int) -> int:
     Every block costs a gather and the dots for every chunk up to the longest context, so
     a decode row of a mixed step pays a whole block. Measured (default model's shape, 30
     layers, 2 vCPUs): 40 decode rows at context 150 + 472 prompt tokens, block 8 / 16 / 32:
-    159 / 213 / 263 ms; 5 prompts of 100 tokens: 105 / 76-81 / 80-89 ms.
+    148-159 / 184-213 / 242-263 ms; 5 prompts of 100 tokens (+ 12): 69-105 / 71-81 / 78-89 ms
+    across three sittings, close and noisy.
     """
     mean = -(-num_tokens // max(num_seqs, 1))
     return min(32, max(8, common.next_power_of_2(mean) // 2))
