@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.sampler import (
-    first_argmax,
-    TOP_P_WINDOW, SamplingRow, build_sampling_metadata, compute_logprobs, gumbel_noise, process_logits, sample,
-    truncate_logits,
+    TOP_P_WINDOW, SamplingRow, build_sampling_metadata, compute_logprobs, first_argmax, gumbel_noise, process_logits,
+    sample, truncate_logits,
 )
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams as SP
 
