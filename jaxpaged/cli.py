@@ -29,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The ``LLM`` options, shared by ``jaxpaged-generate`` and ``jaxpaged-serve``; see ``engine_kwargs``."""
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int, help="tokens per KV block (default: 64 on CPU, 16 on GPU/TPU)")
     e.add_argument("--num-blocks", type=int)
     e.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2GiB")
     e.add_argument("--max-num-seqs", type=int, default=256)

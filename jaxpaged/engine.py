@@ -20,7 +20,7 @@ from typing import Any
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.contiguous import ContiguousBlockManager
-from jaxpaged.engine_args import EngineArgs
+from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
 from jaxpaged.input_processor import InputProcessor, PromptType, pair_prompts
 from jaxpaged.kv_cache import kv_pool_bytes
@@ -42,7 +42,8 @@ class LLM:
         :class:`~jaxpaged.loader.LoadedModel`, or None for the embedded default
         (SmolLM2-135M-Instruct).
       dtype: parameter, activation and KV dtype; default float32 on CPU, bfloat16 elsewhere.
-      block_size: tokens per KV block (a power of two).
+      block_size: tokens per KV block (a power of two); default 64 where attention runs in XLA
+        ops (CPU), 16 for the Pallas kernels (see :func:`~jaxpaged.engine_args.default_block_size`).
       num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
       kv_cache_memory: KV pool size per device in bytes or a string like ``"2GiB"``. Default:
         on CPU 1 GiB (capped at what ``max_num_seqs`` full-length sequences need); on GPU
@@ -68,7 +69,7 @@ class LLM:
         one step at a time.
     """
 
-    def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int = 16,
+    def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int | None = None,
                  num_blocks: int | None = None, kv_cache_memory: int | str | None = None, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
@@ -86,6 +87,10 @@ class LLM:
             lm = load_model(model, dtype=dtype, attention_backend=attention_backend,
                             tensor_parallel_size=tensor_parallel_size)
             lm = dataclasses.replace(lm, model=runtime_form(lm.model))  # the loaded stack is let go
+        if block_size is None:
+            platform = next(iter(lm.model.embed[...].devices())).platform
+            block_size = default_block_size(platform, attention_backend)
+            args = dataclasses.replace(args, block_size=block_size)
         self.args, self.loaded, self.config, self.tokenizer = args, lm, lm.config, lm.tokenizer
         self.tensor_parallel_size, self.block_size = tensor_parallel_size, block_size
         cfg = lm.config

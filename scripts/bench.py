@@ -101,7 +101,7 @@ def parse_args(argv=None):
                    help="which transformers peers to run (padded generate is ~3x slower than generate_batch: "
                         "run it on fewer requests in a second invocation)")
     p.add_argument("--hf-batch-size", type=int, default=None, help="static batch of padded generate (default: K)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="default: the engine's (64 on CPU, 16 on GPU/TPU)")
     p.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB (default: the engine's)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -507,7 +507,7 @@ def main(argv=None) -> dict:
                    enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, **kw)
 
     llm = engine()
-    print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {args.block_size}, max_num_seqs {args.max_num_seqs}, "
+    print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {llm.block_size}, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}", flush=True)
     report: dict = {"machine": machine_info(), "args": vars(args), "workload": ws, "model": vars(cost)}
 

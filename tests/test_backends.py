@@ -25,7 +25,7 @@ from jaxpaged.attention import BACKENDS, AttentionMetadata, paged_attention, res
 from jaxpaged.cli import build_parser
 from jaxpaged.compat import abstract_gpu
 from jaxpaged.config import LlamaConfig
-from jaxpaged.engine_args import DEFAULT_CPU_KV_MEMORY, EngineArgs, default_kv_bytes
+from jaxpaged.engine_args import DEFAULT_CPU_KV_MEMORY, EngineArgs, default_block_size, default_kv_bytes
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.model import Llama
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata
@@ -276,6 +276,18 @@ def test_default_kv_memory_is_half_the_free_device_memory_on_tpu_and_gpu():
     # CPU: what the sequences can use, at most DEFAULT_CPU_KV_MEMORY, whatever the stats say.
     assert default_kv_bytes("cpu", v5e, **sizes) == DEFAULT_CPU_KV_MEMORY
     assert default_kv_bytes("cpu", None, **{**sizes, "max_num_seqs": 2, "max_model_len": 32}) == 2 * 3 << 20
+
+
+def test_default_block_size_is_64_where_xla_attends_on_cpu(tiny_engine_model):
+    assert default_block_size("cpu") == default_block_size("cpu", "xla") == 64
+    for platform in ("gpu", "tpu"):
+        assert default_block_size(platform) == default_block_size(platform, "xla") == 16
+    assert default_block_size("cpu", "pallas_tpu") == default_block_size("cpu", "reference") == 16
+    llm = LLM(tiny_engine_model, num_blocks=8)
+    assert llm.block_size == llm.args.block_size == llm.bm.block_size == llm.runner.block_size == 64
+    assert LLM(tiny_engine_model, num_blocks=8, block_size=8).bm.block_size == 8
+    assert LLM(tiny_engine_model, num_blocks=8, attention_backend="pallas_tpu").runner.block_size == 16
+    assert build_parser().parse_args([]).block_size is None  # the CLI leaves it to the engine
 
 
 def test_engine_args_size_the_pool_from_the_devices_memory(monkeypatch):

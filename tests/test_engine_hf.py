@@ -22,7 +22,9 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm(smollm):
-    return LLM(smollm, attention_backend="auto", debug_checks=True, num_blocks=512)
+    # Blocks of 16, not CPU's default 64: the chat prompts here (~40 tokens) must fill whole
+    # blocks for the prefix-cache hits these tests check.
+    return LLM(smollm, attention_backend="auto", debug_checks=True, num_blocks=512, block_size=16)
 
 
 @pytest.fixture(scope="module")
