@@ -119,8 +119,10 @@ def default_block_size(platform: str, attention_backend: str = "auto") -> int:
     too many to stay in cache). With the default model, 48 requests x 128
     tokens ran at 344-378 generated tok/s with blocks of 16, 392 with 32, 439-453 with 64
     and 442 with 128 (decode steps at context ~100-230: p50 96-102 -> 81 ms); single-stream
-    decode is unchanged (59 tok/s). A block of 64 wastes at most 63 slots per sequence, and
-    prefix caching shares whole blocks only.
+    decode is unchanged (59 tok/s). vLLM's CPU platform does the same (128 where its IPEX
+    kernels run). The costs: a block of 64 wastes up to 63 slots per sequence (that workload
+    peaks at 87% KV utilization), and prefix caching shares whole blocks only, so a shared
+    prefix shorter than 64 tokens gets no hit (``LLM(block_size=16)`` where that matters).
     """
     return 64 if platform == "cpu" and resolve_backend(attention_backend, "cpu") == "xla" else 16
 
