@@ -22,9 +22,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def llm(smollm):
-    # Blocks of 16, not CPU's default 64: the chat prompts here (~40 tokens) must fill whole
-    # blocks for the prefix-cache hits these tests check.
-    return LLM(smollm, attention_backend="auto", debug_checks=True, num_blocks=512, block_size=16)
+    return LLM(smollm, attention_backend="auto", debug_checks=True, num_blocks=512)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +74,8 @@ def test_beam_search_matches_transformers(llm, chat_prompts, hf_smollm):
 
 def test_prompt_logprobs_match_transformers_with_and_without_cache_hit(llm, chat_prompts, hf_smollm):
     hf, _ = hf_smollm
-    ids = chat_prompts[0]
+    ids = chat_prompts[0] + chat_prompts[1]  # longer than a block (64 tokens on CPU): a cache hit needs a full one
+    assert len(ids) > llm.block_size
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1).numpy()
     want = np.array([ref[i - 1, ids[i]] for i in range(1, len(ids))])
