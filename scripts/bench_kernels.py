@@ -17,7 +17,8 @@
    and that measured no better; see the README's "not kept".)
 
 Shapes are the default model's attention (SmolLM2-135M: 9 query heads, 3 KV heads,
-head_dim 64, float32), block size 16. Pallas runs in interpret mode on CPU, which is a
+head_dim 64, float32), at the engine's default block size on this platform (64 on CPU, 16
+on GPU: ``engine_args.default_block_size``). Pallas runs in interpret mode on CPU, which is a
 correctness tool; it is timed at one size to justify ``backend="auto"`` = xla on CPU.
 
     python scripts/bench_kernels.py            # full run, a few minutes
@@ -39,13 +40,15 @@ import numpy as np
 from jax import lax
 
 from jaxpaged.attention import AttentionMetadata, paged_attention
+from jaxpaged.engine_args import default_block_size
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.paged_attention import paged_decode_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention
 from jaxpaged.pallas.xla import _default_block_q, xla_paged_decode_attention, xla_ragged_paged_attention
 
-HQ, KVH, D, BS = 9, 3, 64, 16
+HQ, KVH, D = 9, 3, 64
+BS = default_block_size(jax.devices()[0].platform)  # the engine's: 64 on CPU, 16 on GPU
 DTYPE = jnp.float32
 
 
