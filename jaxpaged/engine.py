@@ -88,8 +88,7 @@ class LLM:
                             tensor_parallel_size=tensor_parallel_size)
             lm = dataclasses.replace(lm, model=runtime_form(lm.model))  # the loaded stack is let go
         if block_size is None:
-            platform = next(iter(lm.model.embed[...].devices())).platform
-            block_size = default_block_size(platform, attention_backend)
+            block_size = default_block_size(lm.model.platform, attention_backend)
             args = dataclasses.replace(args, block_size=block_size)
         self.args, self.loaded, self.config, self.tokenizer = args, lm, lm.config, lm.tokenizer
         self.tensor_parallel_size, self.block_size = tensor_parallel_size, block_size

@@ -203,6 +203,11 @@ class Llama(nnx.Module):
     def dtype(self):
         return self.embed[...].dtype
 
+    @property
+    def platform(self) -> str:
+        """Where the params live: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (every shard on one kind)."""
+        return next(iter(self.embed[...].devices())).platform
+
     def __call__(
         self,
         tokens: Int[Array, "T"],
@@ -312,7 +317,7 @@ def runtime_form(model: Llama) -> Llama:
     """
     if not model.is_stacked or model.mesh is not None:
         return model
-    if any(d.platform != "cpu" for d in model.embed[...].devices()):
+    if model.platform != "cpu":
         return model
     if (form := _UNSTACKED.get(model)) is None:
         form = _UNSTACKED[model] = model.unstacked()

@@ -249,9 +249,11 @@ def _default_block_q(num_tokens: int, num_seqs: int) -> int:
 
     Every block costs a gather and the dots for every chunk up to the longest context, so
     a decode row of a mixed step pays a whole block. Measured (default model's shape, 30
-    layers, 2 vCPUs): 40 decode rows at context 150 + 472 prompt tokens, block 8 / 16 / 32:
-    148-159 / 184-213 / 242-263 ms; 5 prompts of 100 tokens (+ 12): 69-105 / 71-81 / 78-89 ms
-    across three sittings, close and noisy.
+    layers, 2 vCPUs), KV blocks of 16: 40 decode rows at context 150 + 472 prompt tokens,
+    block_q 8 / 16 / 32: 148-159 / 184-213 / 242-263 ms; 5 prompts of 100 tokens (+ 12):
+    69-105 / 71-81 / 78-89 ms across three sittings, close and noisy. KV blocks of 64 (the
+    CPU default): 39 + 473: 186 / 203 / 274 ms; 5 x 100 depends more on the keys per loop
+    step than on block_q (block_q 32: 3 pages a step 63 ms, 2 pages 41).
     """
     mean = -(-num_tokens // max(num_seqs, 1))
     return min(32, max(8, common.next_power_of_2(mean) // 2))
