@@ -43,7 +43,10 @@ What it does, in one process:
    prompt cache, all at once: generated tok/s from the first submit to the last response,
    and each request's token count checked. Also single-stream decode on both sides: one
    request, ``--single-stream-tokens`` new tokens, prefill excluded (llama.cpp's
-   ``predicted_per_second``; jaxpaged's decode steps over their step times).
+   ``predicted_per_second``; jaxpaged's decode steps over their step times). llama.cpp keeps
+   its KV cache in f16 unless told otherwise, so it runs in each of ``--llama-configs``: K/V
+   in float32 without and with flash attention (the ratios take the faster), and its f16
+   default for reference.
 
 Writes ``bench_out/bench_<workload>.json`` and ``.png``. A script, not a test: on a shared
 machine the numbers are noisy; the table headers print the machine and its load.
@@ -93,6 +96,10 @@ def parse_args(argv=None):
                    help="an existing llama.cpp build (holding llama-server and llama-quantize, or bin/ or build/bin/); "
                         "default: build the llama-cpp-python sdist's llama.cpp into ~/.cache/jaxpaged once")
     p.add_argument("--llama-threads", type=int, default=os.cpu_count(), help="llama-server -t (default: all cores)")
+    p.add_argument("--llama-configs", default="kv-f32,kv-f32-fa,kv-f16-fa",
+                   help="comma-separated llama-server settings (scripts/llama_cpp_peer.py's CONFIGS): kv-f32 and "
+                        "kv-f32-fa keep K/V in float32 (without / with flash attention), kv-f16-fa is llama.cpp's "
+                        "default f16 cache; the ratios take the fastest float32 one")
     p.add_argument("--single-stream-tokens", type=int, default=128,
                    help="--peers llama.cpp: new tokens of the single-request decode comparison")
     p.add_argument("--peer-requests", type=int, default=None,
@@ -138,6 +145,11 @@ def parse_args(argv=None):
             a.mode = "both"
     if "llama.cpp" in a.peers and a.mode not in ("offline", "both"):
         p.error("--peers llama.cpp compares with the offline run: use --mode offline or both")
+    from llama_cpp_peer import CONFIGS
+
+    a.llama_configs = list(dict.fromkeys(x.strip() for x in a.llama_configs.split(",") if x.strip()))
+    if not a.llama_configs or set(a.llama_configs) - set(CONFIGS):
+        p.error(f"--llama-configs {','.join(a.llama_configs)}: choose from {', '.join(CONFIGS)}")
     a.num_requests = a.num_requests or (64 if a.workload == "decode-heavy" else 128)
     a.peer_requests = min(a.peer_requests or 16, a.num_requests)
     a.out = a.out or f"bench_{a.workload}" + ("_quick" if a.quick else "")
@@ -246,28 +258,46 @@ def jaxpaged_single_stream(llm, prompts: list[list[int]], new_tokens: int) -> di
 
 
 def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path, Path], vocab: int) -> dict:
-    """llama.cpp's server on every request of the offline run, then the single stream on both sides.
+    """llama.cpp's server on every request of the offline run, then the single stream, in each
+    of ``args.llama_configs`` (its KV cache type and attention path, ``llama_cpp_peer.CONFIGS``);
+    the single stream on jaxpaged too.
 
     One slot per request, so llama.cpp batches all of them as jaxpaged does; each slot's
-    context fits the longest request. The server is up only while llama.cpp is measured.
+    context fits the longest request. A server is up only while its setting is measured.
+    The ratios take llama.cpp's fastest float32 setting, per measure.
     """
-    from llama_cpp_peer import LlamaServer, run_batch, single_stream
+    from llama_cpp_peer import CONFIGS, LlamaServer, run_batch, single_stream
 
     bin_dir, gguf = llama
     n = args.single_stream_tokens
     prompts1 = [w.subset(1).with_fresh_ids(args.seed + 50_000 + k, vocab).prompts[0] for k in range(4)]
     jp1 = jaxpaged_single_stream(llm, prompts1, n)
     ctx = max(max(len(p) + m for p, m in zip(w.prompts, w.max_tokens)), len(prompts1[0]) + n) + 16
-    with LlamaServer(bin_dir, gguf, slots=len(w), ctx_per_slot=ctx, threads=args.llama_threads) as server:
-        server.complete(w.prompts[0][:8], 4)  # first-call costs out of the timing
-        batch = run_batch(server, w.prompts, w.max_tokens)
-        single = single_stream(server, prompts1[1:], n)
     jp_out = [main_run.outputs.get(i, []) for i in range(len(w))]
-    batch["agreement_first16"] = agreement(jp_out, batch.pop("outputs"))
-    batch["gen_tok_s"] = batch["num_generated"] / batch["wall_s"]
-    batch["total_tok_s"] = (batch["num_generated"] + sum(w.prompt_lens)) / batch["wall_s"]
-    out = {"server": server.cmd, "log": str(server.log), "batch": batch,
-           "single_stream": {"jaxpaged": jp1, "llama.cpp": single, "prompt_len": len(prompts1[0]), "new_tokens": n}}
+    configs = {}
+    for name in args.llama_configs:
+        cfg = CONFIGS[name]
+        with LlamaServer(bin_dir, gguf, slots=len(w), ctx_per_slot=ctx, threads=args.llama_threads,
+                         flags=cfg.flags) as server:
+            server.complete(w.prompts[0][:8], 4)  # first-call costs out of the timing
+            batch = run_batch(server, w.prompts, w.max_tokens)
+            single = single_stream(server, prompts1[1:], n)
+        batch["agreement_first16"] = agreement(jp_out, batch.pop("outputs"))
+        batch["gen_tok_s"] = batch["num_generated"] / batch["wall_s"]
+        batch["total_tok_s"] = (batch["num_generated"] + sum(w.prompt_lens)) / batch["wall_s"]
+        configs[name] = {"server": server.cmd, "log": str(server.log), "float32": cfg.float32, "note": cfg.note,
+                         "batch": batch, "single_stream": single}
+        print(f"llama.cpp {name} ({cfg.note}): {batch['gen_tok_s']:.0f} generated tok/s, single stream "
+              f"{single['decode_tok_s']:.1f} tok/s", flush=True)
+    f32 = {k: c for k, c in configs.items() if c["float32"]}
+    best = {}
+    if f32:
+        gen = max(f32, key=lambda k: f32[k]["batch"]["gen_tok_s"])
+        one = max(f32, key=lambda k: f32[k]["single_stream"]["decode_tok_s"])
+        best = {"gen_tok_s": f32[gen]["batch"]["gen_tok_s"], "gen_config": gen,
+                "decode_tok_s": f32[one]["single_stream"]["decode_tok_s"], "decode_config": one}
+    out = {"configs": configs, "best_float32": best,
+           "single_stream": {"jaxpaged": jp1, "prompt_len": len(prompts1[0]), "new_tokens": n}}
     llama_tables(w, main_run, out)
     return out
 
@@ -275,34 +305,47 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
 def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
     from llama_cpp_peer import cpu_flags
 
-    lc, cmd, ss = out["batch"], out["server"], out["single_stream"]
-    jp1, lc1 = ss["jaxpaged"], ss["llama.cpp"]
+    configs, ss, best = out["configs"], out["single_stream"], out["best_float32"]
+    jp1 = ss["jaxpaged"]
     ok = len(w) - jp.wrong_lengths
+    rows = [[jp.label, "float32", jp.num_requests, jp.num_generated, jp.wall_s, jp.gen_tok_s, jp.total_tok_s,
+             f"{ok}/{len(w)}", "-", "-"]]
+    notes = []
+    for name, c in configs.items():
+        lc = c["batch"]
+        rows.append([f"llama.cpp {name}", c["note"], lc["num_requests"], lc["num_generated"], lc["wall_s"],
+                     lc["gen_tok_s"], lc["total_tok_s"], f"{lc['as_asked']}/{len(w)}", lc["gen_tok_s"] / jp.gen_tok_s,
+                     lc["agreement_first16"]])
+        notes.append(f"llama.cpp {name}: {' '.join(Path(a).name if a.startswith('/') else a for a in c['server'])}; "
+                     f"log {c['log']}")
+    first = next(iter(configs.values()))
     table(f"Peer llama.cpp: the same {len(w)} requests, same GGUF in F32, greedy, ignore_eos, all at once",
-          ["system", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "tokens as asked",
-           "llama.cpp / jaxpaged", "same first 16 tokens"],
-          [[jp.label, jp.num_requests, jp.num_generated, jp.wall_s, jp.gen_tok_s, jp.total_tok_s, f"{ok}/{len(w)}",
-            "-", "-"],
-           ["llama.cpp server", lc["num_requests"], lc["num_generated"], lc["wall_s"], lc["gen_tok_s"],
-            lc["total_tok_s"], f"{lc['as_asked']}/{len(w)}", lc["gen_tok_s"] / jp.gen_tok_s, lc["agreement_first16"]]],
-          [f"llama.cpp: {' '.join(Path(c).name if c.startswith('/') else c for c in cmd)} "
-           f"(build {Path(cmd[0]).parent}, CPU flags {cpu_flags()}); continuous batching, cache_prompt false; "
-           f"log {out['log']}",
-           "tokens as asked: requests that generated exactly max_tokens (llama.cpp's tokens_predicted)",
-           "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's "
-           "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
-           "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
+          ["system", "precision", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "tokens as asked",
+           "llama.cpp / jaxpaged", "same first 16 tokens"], rows,
+          notes + [f"llama.cpp build {Path(first['server'][0]).parent}, CPU flags {cpu_flags()}; continuous "
+                   "batching, cache_prompt false",
+                   "tokens as asked: requests that generated exactly max_tokens (llama.cpp's tokens_predicted)",
+                   "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's "
+                   "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
+                   "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
+    rows = [["jaxpaged", "float32", jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
+             " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-"]]
+    for name, c in configs.items():
+        lc1 = c["single_stream"]
+        rows.append([f"llama.cpp {name}", c["note"], lc1["decode_tok_s"], 1e3 / lc1["decode_tok_s"],
+                     " ".join(f"{r:.1f}" for r in lc1["decode_tok_s_runs"]), lc1["as_asked"],
+                     lc1["decode_tok_s"] / jp1["decode_tok_s"]])
     table(f"Single-stream decode: one request, {ss['prompt_len']}-token prompt, {ss['new_tokens']} new tokens, "
-          f"median of {len(lc1['decode_tok_s_runs'])}",
-          ["system", "decode tok/s", "ms / token", "runs (tok/s)", "tokens as asked", "llama.cpp / jaxpaged"],
-          [["jaxpaged", jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
-            " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-"],
-           ["llama.cpp server", lc1["decode_tok_s"], 1e3 / lc1["decode_tok_s"],
-            " ".join(f"{r:.1f}" for r in lc1["decode_tok_s_runs"]), lc1["as_asked"],
-            lc1["decode_tok_s"] / jp1["decode_tok_s"]]],
+          f"median of {len(jp1['decode_tok_s_runs'])}",
+          ["system", "precision", "decode tok/s", "ms / token", "runs (tok/s)", "tokens as asked",
+           "llama.cpp / jaxpaged"], rows,
           ["prefill excluded on both sides: jaxpaged's decode steps over their step times (after a warm-up; "
            f"{jp1['compiles']} XLA compiles while timed), llama.cpp's timings.predicted_per_second",
            "each run a fresh prompt of random ids, the same ids on both sides"])
+    if best:
+        print(f"against llama.cpp's fastest float32 setting: generated tok/s llama.cpp / jaxpaged "
+              f"{best['gen_tok_s'] / jp.gen_tok_s:.2f} ({best['gen_config']}), single stream "
+              f"{best['decode_tok_s'] / jp1['decode_tok_s']:.2f} ({best['decode_config']})", flush=True)
 
 
 # ---- reports ---------------------------------------------------------------------------
@@ -553,8 +596,9 @@ def main(argv=None) -> dict:
     shown_peers = []
     if llama:
         report["llama_cpp"] = run_llama_cpp(args, llm, w, results["offline"], llama, vocab)
-        shown_peers.append({"system": "llama.cpp server", "num_requests": len(w),
-                            "gen_tok_s": report["llama_cpp"]["batch"]["gen_tok_s"]})
+        for name, c in report["llama_cpp"]["configs"].items():
+            shown_peers.append({"system": f"llama.cpp {name}", "num_requests": len(w),
+                                "gen_tok_s": c["batch"]["gen_tok_s"]})
 
     peers, subset = [], None
     if "transformers" in args.peers:
