@@ -46,6 +46,7 @@ class Hypothesis:
     logprobs: list[PositionLogprobs]
     finish_reason: FinishReason
     stop_reason: int | str | None
+    finish_detail: str | None = None  # the engine cut this beam short (see Request.finish_detail)
 
 
 @dataclasses.dataclass
@@ -108,9 +109,10 @@ class BeamSearch:
         return BeamPlan(keep, fork, [s for s in live if id(s) not in parents], False)
 
     def add(self, token_ids: list[int], cumulative_logprob: float, generated_len: int, text: str,
-            logprobs: list[PositionLogprobs], finish_reason: FinishReason, stop_reason: int | str | None) -> None:
+            logprobs: list[PositionLogprobs], finish_reason: FinishReason, stop_reason: int | str | None,
+            finish_detail: str | None = None) -> None:
         """Add a finished hypothesis; keep the ``width`` best."""
         self.hypotheses.append(Hypothesis(token_ids, cumulative_logprob, self.score(cumulative_logprob, generated_len),
-                                          text, logprobs, finish_reason, stop_reason))
+                                          text, logprobs, finish_reason, stop_reason, finish_detail))
         self.hypotheses.sort(key=lambda h: -h.score)
         del self.hypotheses[self.width:]

@@ -38,11 +38,9 @@ class OutputProcessor:
                     token_ids=list(s.output_token_ids),
                     cumulative_logprob=s.cumulative_logprob if s.num_output_tokens else None,
                     logprobs=self._decorate(s.logprobs) if p.logprobs is not None else None,
-                    finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                    finish_reason=s.finish_reason, stop_reason=s.stop_reason, finish_detail=s.finish_detail)
                 for s in sorted(req.seqs, key=lambda s: s.index)
             ]
-        for c in completions:
-            c.finish_detail = req.finish_detail if c.finish_reason is not None else None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
             prompt_logprobs=self._decorate(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
@@ -53,12 +51,13 @@ class OutputProcessor:
         """The ``n`` best finished hypotheses once finished; the current beams before."""
         n, num_prompt = req.params.n, req.num_prompt_tokens
         if req.finished and req.beam.hypotheses:
-            items = [(h.token_ids, h.cumulative_logprob, h.text, h.logprobs, h.finish_reason, h.stop_reason)
-                     for h in req.beam.hypotheses[:n]]
+            items = [(h.token_ids, h.cumulative_logprob, h.text, h.logprobs, h.finish_reason, h.stop_reason,
+                      h.finish_detail) for h in req.beam.hypotheses[:n]]
         else:  # still running, or aborted before any hypothesis finished
             reason = "abort" if req.finished else None
             items = [(s.token_ids, s.cumulative_logprob, s.detok.text if s.detok is not None else "", s.logprobs,
-                      reason, None) for s in req.seqs[:n]]
+                      reason, None, None) for s in req.seqs[:n]]
         return [CompletionOutput(i, text, list(ids[num_prompt:]), lp,
-                                 self._decorate(lps) if req.params.logprobs is not None else None, reason, stop)
-                for i, (ids, lp, text, lps, reason, stop) in enumerate(items)]
+                                 self._decorate(lps) if req.params.logprobs is not None else None, reason, stop,
+                                 detail)
+                for i, (ids, lp, text, lps, reason, stop, detail) in enumerate(items)]

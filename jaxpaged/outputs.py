@@ -46,8 +46,10 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # Why the engine, not the model or the parameters, ended it: e.g. the request outgrew
-    # the whole KV pool (then finish_reason is "length", as vLLM reports a capacity cut).
+    # Why the engine, not the model or the parameters, ended this completion: e.g. its request
+    # outgrew the whole KV pool (finish_reason is then "length", as vLLM reports a capacity
+    # cut). A sample or beam hypothesis that had finished before the cut keeps its own reason
+    # and no detail; the cut beams still compete with it for the ranking.
     finish_detail: str | None = None
 
     def finished(self) -> bool:

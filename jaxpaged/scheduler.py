@@ -27,8 +27,9 @@ Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
   oldest running request is never preempted.
 - **Progress.** Every step either advances the oldest running request, or finishes a
   request. A request that cannot fit the pool even alone (its sequences outgrew it, or
-  after a recompute its samples no longer share their blocks) is finished with
-  ``finish_reason="length"`` and a ``finish_detail`` saying why, and a warning is logged;
+  after a recompute its samples no longer share their blocks) is finished: its live
+  sequences with ``finish_reason="length"`` and a ``finish_detail`` saying why (samples and
+  beam hypotheses that finished before keep their own reason), and a warning is logged;
   the engine goes on. Nothing raises out of a step because of traffic.
 - **Bounded preemption.** Since only older requests preempt it, a request is preempted
   at most once per block (or region) its elders allocate while it runs; once it is the
@@ -401,13 +402,14 @@ class Scheduler:
     def _finish_for_capacity(self, req: Request, out: SchedulerOutput, why: str) -> None:
         req.finish_detail = f"finished early: {why}"
         log.warning("request %s %s", req.request_id, req.finish_detail)
-        live = req.live_seqs()
+        live = req.live_seqs()  # the ones the cut ends; samples that finished before keep their reason
         for s in live:
-            s.finish_reason = "length"
+            s.finish_reason, s.finish_detail = "length", req.finish_detail
         if req.beam is not None:  # the beams so far compete with the finished hypotheses
             for s in live:
                 req.beam.add(list(s.token_ids), s.cumulative_logprob, max(s.num_output_tokens, 1),
-                             s.detok.text if s.detok is not None else "", list(s.logprobs), "length", None)
+                             s.detok.text if s.detok is not None else "", list(s.logprobs), "length", None,
+                             req.finish_detail)
         out.preempted = [r for r in out.preempted if r is not req]
         out.finished.append(req)
         self._finish(req)

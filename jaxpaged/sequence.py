@@ -46,6 +46,7 @@ class Sequence:
         self.logprobs: list[PositionLogprobs] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
+        self.finish_detail: str | None = None  # set when the engine, not the model, ended it
         self.detok: Detokenizer | None = None
 
     @property
@@ -110,7 +111,7 @@ class Request:
         # One sequence until the prompt is computed; then n samples or beam_width beams.
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
         self.beam = beam  # beam search state: finished hypotheses; None when sampling
-        self.finish_detail: str | None = None  # why the engine (not the model) ended it
+        self.finish_detail: str | None = None  # why the engine (not the model) ended it, if it did
         self.aborted = False
 
     @property

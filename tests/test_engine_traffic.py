@@ -28,18 +28,23 @@ ROOMY = dict(block_size=16, num_blocks=160, max_num_seqs=8, max_num_batched_toke
 def assert_same_as_alone(res, alone) -> int:
     """Each finished request's completions equal those it gets alone; returns how many compared.
 
-    A request the engine cut because it outgrew the pool (``finish_detail``) must be a prefix
-    (beams cut early are the best beams so far, which need not lead to the final ones).
+    Of a request the engine cut because it outgrew the pool, the completions the cut ended
+    (``finish_detail``, at "length") must be prefixes of their own alone, and the others equal
+    theirs; beam search cut early returns the best hypotheses so far, cut or finished before,
+    which need not be the ones the search finds alone.
     """
     compared = 0
     for a, out in res.finished:
         ref = alone(a)
+        cut = out.request_id in res.cut
         assert len(out.outputs) == len(ref.outputs), (a, out, ref)
+        assert not cut or a.params.use_beam_search or any(c.finish_detail for c in out.outputs), (a, out)
         for c, r in zip(out.outputs, ref.outputs):
-            if c.finish_detail is not None and a.params.use_beam_search:
-                assert c.finish_reason == "length" and c.token_ids, (a, c)
+            assert c.finish_detail is None or (cut and c.finish_reason == "length"), (a, c)
+            if cut and a.params.use_beam_search:
+                assert c.finish_reason in ("length", "stop") and c.token_ids, (a, c)
             elif c.finish_detail is not None:
-                assert c.finish_reason == "length" and r.token_ids[:len(c.token_ids)] == c.token_ids, (a, c, r)
+                assert r.token_ids[:len(c.token_ids)] == c.token_ids, (a, c, r)
             else:
                 assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (
                     r.token_ids, r.text, r.finish_reason, r.stop_reason), (a, c, r)
@@ -101,7 +106,7 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
         totals["steps_ahead"] += res.num_steps_ahead
         totals["dropped_tokens"] += res.num_dropped_tokens
         for a, o in res.finished:
-            totals["cut"] += any(c.finish_detail for c in o.outputs)
+            totals["cut"] += o.request_id in res.cut
             totals["forks"] += a.params.n > 1 and not a.params.use_beam_search
             totals["beams"] += a.params.use_beam_search
             totals["stopped_by_string"] += any(isinstance(c.stop_reason, str) for c in o.outputs)
@@ -127,3 +132,15 @@ def test_random_traffic_1000_requests_on_the_tiny_model(tiny_engine_model):
     assert t["requests"] >= 1000 and t["compared"] >= 700
     for key in COVERAGE:
         assert t[key] > 0, (key, t)
+
+
+def test_a_beam_that_finished_before_the_cut_keeps_its_own_reason(tiny_engine_model):
+    """Round 2845 (found by a longer run of the oracle tier): a beam search request outgrows
+    the pool after one of its beams stopped on a stop string. That hypothesis is what it
+    returns, with "stop" and no ``finish_detail``: only completions the cut ended carry one."""
+    rnd = traffic.make_round(2845, num_requests=ORACLE_REQUESTS, vocab_size=tiny_engine_model.config.vocab_size,
+                             any_geometry=True)
+    res = traffic.run_round(tiny_engine_model, rnd, oracle=True)
+    beams_cut = [o for a, o in res.finished if o.request_id in res.cut and a.params.use_beam_search]
+    assert any(c.finish_reason == "stop" and c.finish_detail is None for o in beams_cut for c in o.outputs), beams_cut
+    assert assert_same_as_alone(res, alone_engine(tiny_engine_model, oracle=True)) == len(res.finished)

@@ -12,6 +12,7 @@ at random steps. ``run_round`` drives it and checks the engine's invariants afte
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -53,6 +54,19 @@ class Result:
     num_swapped_out_blocks: int = 0
     num_steps_ahead: int = 0  # async scheduling: steps scheduled while the previous one ran
     num_dropped_tokens: int = 0  # async scheduling: tokens sampled after their sequence had finished
+    cut: set[str] = dataclasses.field(default_factory=set)  # ids of the requests the engine finished early
+
+
+class _CutRequests(logging.Handler):
+    """Collects the ids of the requests the scheduler finished early (it logs a warning for each)."""
+
+    def __init__(self, ids: set[str]):
+        super().__init__(logging.WARNING)
+        self.ids = ids
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg == "request %s %s" and str(record.args[1]).startswith("finished early"):
+            self.ids.add(record.args[0])
 
 
 def _params(rng: np.random.Generator) -> SamplingParams:
@@ -141,6 +155,25 @@ def run_round(model, rnd: Round, *, oracle: bool, max_steps: int = 5000) -> Resu
     live: dict[str, Arrival] = {}
     res = Result(rnd, [], [], [], 0, 0, 0)
     pending = list(rnd.arrivals)
+    watcher = _CutRequests(res.cut)
+    logging.getLogger("jaxpaged.scheduler").addHandler(watcher)
+    try:
+        _run(llm, rnd, rng, res, pending, live, max_steps)
+    finally:
+        logging.getLogger("jaxpaged.scheduler").removeHandler(watcher)
+    assert not live, f"requests never finished: {sorted(live)}"
+    stats = llm.stats()
+    assert stats["num_used_blocks"] == 0 and stats["num_host_blocks_used"] == 0, stats
+    llm.bm.check_invariants()
+    res.num_preemptions = stats["num_preemptions"]
+    res.num_swapped_out_blocks = stats["num_swapped_out_blocks"]
+    res.num_steps_ahead = llm.core.num_steps_ahead
+    res.num_dropped_tokens = llm.scheduler.num_dropped_tokens
+    return res
+
+
+def _run(llm: LLM, rnd: Round, rng: np.random.Generator, res: Result, pending: list[Arrival],
+         live: dict[str, Arrival], max_steps: int) -> None:
     while pending or llm.has_unfinished_requests():
         while pending and pending[0].step <= res.num_steps:
             a = pending.pop(0)
@@ -166,12 +199,3 @@ def run_round(model, rnd: Round, *, oracle: bool, max_steps: int = 5000) -> Resu
         res.max_live_seqs = max(res.max_live_seqs, sum(len(r.live_seqs()) for r in llm.scheduler.running))
         res.num_steps += 1
         assert res.num_steps < max_steps, f"round {rnd.seed}: unfinished after {max_steps} steps (livelock)"
-    assert not live, f"requests never finished: {sorted(live)}"
-    stats = llm.stats()
-    assert stats["num_used_blocks"] == 0 and stats["num_host_blocks_used"] == 0, stats
-    llm.bm.check_invariants()
-    res.num_preemptions = stats["num_preemptions"]
-    res.num_swapped_out_blocks = stats["num_swapped_out_blocks"]
-    res.num_steps_ahead = llm.core.num_steps_ahead
-    res.num_dropped_tokens = llm.scheduler.num_dropped_tokens
-    return res
