@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpaged.block_manager import BlockManager
+from jaxpaged.compilation_cache import ensure_compilation_cache
 from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
@@ -75,6 +76,7 @@ class LLM:
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True):
+        ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling)

@@ -42,6 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged import sharding
+from jaxpaged.compilation_cache import ensure_compilation_cache
 from jaxpaged.config import LlamaConfig
 from jaxpaged.model import Llama
 
@@ -443,6 +444,7 @@ def load_model(
     from jaxpaged.default_model import default_model_path
 
     sharding.check_tp_size(tensor_parallel_size)  # before reading any weights
+    ensure_compilation_cache()  # before the first compilation: jax decides once
 
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
