@@ -54,7 +54,7 @@ class Result:
     num_swapped_out_blocks: int = 0
     num_steps_ahead: int = 0  # async scheduling: steps scheduled while the previous one ran
     num_dropped_tokens: int = 0  # async scheduling: tokens sampled after their sequence had finished
-    cut: set[str] = dataclasses.field(default_factory=set)  # ids of the requests the engine finished early
+    cut: set[int] = dataclasses.field(default_factory=set)  # id() of the final outputs of requests cut short
 
 
 class _CutRequests(logging.Handler):
@@ -155,10 +155,10 @@ def run_round(model, rnd: Round, *, oracle: bool, max_steps: int = 5000) -> Resu
     live: dict[str, Arrival] = {}
     res = Result(rnd, [], [], [], 0, 0, 0)
     pending = list(rnd.arrivals)
-    watcher = _CutRequests(res.cut)
+    watcher = _CutRequests(set())
     logging.getLogger("jaxpaged.scheduler").addHandler(watcher)
     try:
-        _run(llm, rnd, rng, res, pending, live, max_steps)
+        _run(llm, rnd, rng, res, pending, live, max_steps, watcher.ids)
     finally:
         logging.getLogger("jaxpaged.scheduler").removeHandler(watcher)
     assert not live, f"requests never finished: {sorted(live)}"
@@ -173,7 +173,7 @@ def run_round(model, rnd: Round, *, oracle: bool, max_steps: int = 5000) -> Resu
 
 
 def _run(llm: LLM, rnd: Round, rng: np.random.Generator, res: Result, pending: list[Arrival],
-         live: dict[str, Arrival], max_steps: int) -> None:
+         live: dict[str, Arrival], max_steps: int, cut_ids: set[str]) -> None:
     while pending or llm.has_unfinished_requests():
         while pending and pending[0].step <= res.num_steps:
             a = pending.pop(0)
@@ -195,6 +195,9 @@ def _run(llm: LLM, rnd: Round, rng: np.random.Generator, res: Result, pending: l
             assert o.request_id in live, f"output for unknown or already finished request {o.request_id!r}"
             if o.finished:
                 res.finished.append((live.pop(o.request_id), o))
+                if o.request_id in cut_ids:  # user ids come back: a later request may reuse this one
+                    cut_ids.discard(o.request_id)
+                    res.cut.add(id(o))
         check_scheduler(llm)
         res.max_live_seqs = max(res.max_live_seqs, sum(len(r.live_seqs()) for r in llm.scheduler.running))
         res.num_steps += 1
