@@ -9,8 +9,9 @@ cache a program compiled once on this machine is read back from disk by later pr
 :func:`ensure_compilation_cache` turns it on at jaxpaged's entry points (``load_model``,
 ``LLM``) unless jax's cache is configured already: under ``$JAXPAGED_CACHE_DIR/xla``
 (default ``~/.cache/jaxpaged/xla``), in a folder per jaxlib version and host CPU. XLA:CPU
-compiles for the host's instruction set, and jax's cache key does not say which: a home
-directory shared by machines with other CPUs must not hand them each other's code.
+compiles for the host's instruction set, and jax's cache key names the platform ("cpu",
+jax 0.10.2) but not the instruction set: a home directory shared by machines with other
+CPUs must not hand them each other's code.
 Programs that compile in under ``MIN_COMPILE_SECONDS`` are not kept; the cache is capped
 at ``MAX_BYTES`` (least recently used first out).
 
