@@ -77,4 +77,6 @@ def test_orbax_cache_round_trip_is_exact_and_fast(smollm_first_load):
         assert np.array_equal(np.asarray(x), np.asarray(y))
     assert first.config == second.config
     assert first.tokenizer("héllo <|im_start|> 123").input_ids == second.tokenizer("héllo <|im_start|> 123").input_ids
-    assert first_s >= 5 * second_s, (first_s, second_s)
+    # ~16 s vs ~1.2-1.7 s on a new machine; once the persistent compilation cache holds the
+    # conversion's programs, the first load is ~8 s (this machine), still >= 3x the Orbax one.
+    assert first_s >= 3 * second_s, (first_s, second_s)
