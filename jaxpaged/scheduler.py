@@ -13,7 +13,8 @@ Deciding a step, in this order:
    forks) when none is free preempts the newest running request, possibly itself.
 2. In a step that preempted nothing, preempted and waiting requests resume oldest first:
    a swapped request when its blocks (and this step's chunk) fit, a waiting one when it
-   can be admitted above the watermark. The first that does not fit stops the queue.
+   can be admitted above the watermark; with the contiguous allocator, a request yet to
+   fork also waits for its forks' regions. The first that does not fit stops the queue.
 
 Preemption frees every block of a request: ``"recompute"`` sends it back to the waiting
 queue (its prompt and output are prefilled again later, and hit the prefix cache if it
@@ -239,11 +240,14 @@ class Scheduler:
         end = min(live[0].num_tokens, min(s.num_computed_tokens for s in live) + budget // len(live))
         return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live if end > s.num_computed_tokens]
 
-    def _num_forks(self, req: Request, plan) -> int:
+    def _num_forks(self, req: Request, plan=None) -> int:
+        """Forks ``req`` makes when ``plan`` runs (if its chunk reaches a token to sample);
+        with no plan, every fork it has yet to make."""
         if req.params.n == 1 and not req.is_beam_search:
             return 0
-        samples = any(start + n == seq.num_tokens for seq, start, n in plan)
-        return req.max_live_seqs - len(req.live_seqs()) if samples else 0
+        if plan is not None and not any(start + n == seq.num_tokens for seq, start, n in plan):
+            return 0
+        return req.max_live_seqs - len(req.live_seqs())
 
     def _add(self, out: SchedulerOutput, req: Request, plan) -> int:
         fan_out = req.params.n if not req.is_beam_search and req.seqs[0].num_output_tokens == 0 else 1
@@ -320,8 +324,7 @@ class Scheduler:
         bs = self.kv.block_size
         need = sum(-(-max(self.kv.num_tokens(s.seq_id), ends.get(s.seq_id, 0)) // bs) for s in req.live_seqs())
         reserve = self.kv.watermark_blocks if self.running else 0
-        forks = self._num_forks(req, plan)
-        if self.kv.num_allocatable_blocks - need < reserve or not self.kv.can_fork(self._forks + forks):
+        if self.kv.num_allocatable_blocks - need < reserve or not self.kv.can_fork(self._forks + self._num_forks(req)):
             return None
         for s in req.live_seqs():
             out.block_ops += [("in", h, d) for h, d in self.kv.swap_in(s.seq_id)]
@@ -329,7 +332,7 @@ class Scheduler:
             extra = start + n - self.kv.num_tokens(seq.seq_id)
             if extra > 0:
                 out.block_ops += [("copy", a, b) for a, b in self.kv.append_slots(seq.seq_id, extra)]
-        self._forks += forks
+        self._forks += self._num_forks(req, plan)
         return plan
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput):
@@ -350,8 +353,11 @@ class Scheduler:
                                                      num_new_tokens=budget // len(live))
             allocated.append(s)
         plan = self._plan(req.live_seqs(), budget) if len(allocated) == len(live) else None
-        forks = self._num_forks(req, plan) if plan is not None else 0
-        if plan is None or not self.kv.can_fork(self._forks + forks):
+        # Room for every fork it has yet to make, not only this chunk's: admitted on its prompt's
+        # region alone while older requests hold the rest (contiguous allocator), a request whose
+        # first token comes in a later chunk would preempt itself there, recompute its prompt and
+        # meet the same wall, once per step until they finish.
+        if plan is None or not self.kv.can_fork(self._forks + self._num_forks(req)):
             for s in allocated:
                 self.kv.free(s.seq_id)
                 s.num_computed_tokens = 0
@@ -360,7 +366,7 @@ class Scheduler:
                                                     f"tokens do not fit the KV pool ({self.kv.num_usable_blocks} "
                                                     f"blocks of {self.kv.block_size} slots) even alone")
             return None
-        self._forks += forks
+        self._forks += self._num_forks(req, plan)
         if live[0].num_output_tokens == 0:
             req.num_cached_tokens = live[0].num_computed_tokens
         return plan

@@ -178,3 +178,28 @@ def test_generate_and_stream_keep_other_requests_outputs(tiny_engine_model):
     outs = drain(llm)
     assert outs[a].finished and outs[a].outputs[0].token_ids == ref[0].token_ids
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True),
+                                    SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=6,
+                                                   ignore_eos=True)],
+                         ids=["n2", "beam2"])
+def test_contiguous_request_waits_for_its_forks_regions_instead_of_churning(tiny_engine_model, params):
+    """Found by a longer random-traffic run (round 8930): with the contiguous allocator, a
+    request whose prompt takes two chunks was admitted on one region while an older request
+    held the other; at its first token its fork found no region, it preempted itself,
+    recomputed its prompt and hit the same wall, once per step, until the older one finished
+    (7 preemptions; the scheduler's bound allows one per region its elders allocate: 0 here)."""
+    llm = make(tiny_engine_model, kv_allocator="contiguous", block_size=8, max_model_len=32, num_blocks=1 + 4 * 2,
+               max_num_batched_tokens=16)
+    older = llm.add_request([7] * 6, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    llm.step()  # the older request holds one of the two regions
+    prompt = list(range(30, 50))  # 20 tokens: two chunks of the 16-token budget
+    rid = llm.add_request(prompt, params)
+    outs = drain(llm)
+    assert outs[rid].metrics.num_preemptions == 0
+    ref = make(tiny_engine_model, kv_allocator="contiguous", block_size=8, max_model_len=32,
+               num_blocks=1 + 4 * 2, max_num_batched_tokens=16).generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in outs[rid].outputs] == [c.token_ids for c in ref.outputs]
+    assert len(outs[older].outputs[0].token_ids) == 20
+    assert_idle(llm)
