@@ -1,6 +1,7 @@
 """The engine under memory pressure and odd traffic: one regression test per failure of issue #14.
 
-Each was written before its fix and failed on the engine of commit db8bdf4.
+Each was written before its fix and failed on the engine of commit db8bdf4; the last one
+(a longer random-traffic run, eleventh session) on that of commit e620ae6.
 """
 
 import pytest
