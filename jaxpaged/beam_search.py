@@ -46,7 +46,7 @@ class Hypothesis:
     logprobs: list[PositionLogprobs]
     finish_reason: FinishReason
     stop_reason: int | str | None
-    finish_detail: str | None = None  # the engine cut this beam short (see Request.finish_detail)
+    finish_detail: str | None = None  # why the engine cut this beam short, if it did
 
 
 @dataclasses.dataclass

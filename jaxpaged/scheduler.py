@@ -406,16 +406,16 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish_for_capacity(self, req: Request, out: SchedulerOutput, why: str) -> None:
-        req.finish_detail = f"finished early: {why}"
-        log.warning("request %s %s", req.request_id, req.finish_detail)
+        detail = f"finished early: {why}"
+        log.warning("request %s %s", req.request_id, detail)
         live = req.live_seqs()  # the ones the cut ends; samples that finished before keep their reason
         for s in live:
-            s.finish_reason, s.finish_detail = "length", req.finish_detail
+            s.finish_reason, s.finish_detail = "length", detail
         if req.beam is not None:  # the beams so far compete with the finished hypotheses
             for s in live:
                 req.beam.add(list(s.token_ids), s.cumulative_logprob, max(s.num_output_tokens, 1),
                              s.detok.text if s.detok is not None else "", list(s.logprobs), "length", None,
-                             req.finish_detail)
+                             detail)
         out.preempted = [r for r in out.preempted if r is not req]
         out.finished.append(req)
         self._finish(req)

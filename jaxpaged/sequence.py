@@ -111,7 +111,6 @@ class Request:
         # One sequence until the prompt is computed; then n samples or beam_width beams.
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
         self.beam = beam  # beam search state: finished hypotheses; None when sampling
-        self.finish_detail: str | None = None  # why the engine (not the model) ended it, if it did
         self.aborted = False
 
     @property
