@@ -3,10 +3,12 @@
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from jaxpaged.kv_cache import init_kv_pool
 from jaxpaged.loader import load_model
+from jaxpaged.model import runtime_form
 from paged import jit_forward, step_metadata
 
 BS = 16
@@ -36,7 +38,10 @@ def test_prompt_logits_match_transformers(smollm, hf_smollm):
     np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-3, rtol=0)
 
 
-def test_greedy_32_tokens_match_transformers(smollm, hf_smollm):
+@pytest.mark.parametrize("form", ["stacked", "runtime"])
+def test_greedy_32_tokens_match_transformers(smollm, hf_smollm, form):
+    """Prefill, then 32 one-token decode steps, in the loaded (stacked) form and in the form
+    the engine runs on this device (on CPU: unstacked, with one-token projections split)."""
     hf, tok = hf_smollm
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    tokenize=False, add_generation_prompt=True)
@@ -45,7 +50,7 @@ def test_greedy_32_tokens_match_transformers(smollm, hf_smollm):
         want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
                            attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
     cfg = smollm.config
-    fwd = jit_forward(smollm.model)
+    fwd = jit_forward(smollm.model if form == "stacked" else runtime_form(smollm.model))
     per_seq = (len(ids) + 32) // BS + 1
     kv = init_kv_pool(cfg.num_layers, 1 + per_seq, cfg.num_kv_heads, BS, cfg.head_dim)
     seq = list(ids)

@@ -68,6 +68,36 @@ def test_batched_prefill_then_decode_matches_each_sequence_alone(tiny_hf, form):
             s.append(t)
 
 
+def test_one_token_steps_match_hf(tiny_hf, form):
+    """A single sequence decoded one token a step: the shape of single-stream decode, whose
+    CPU projections split their contraction (see ``model._cpu_dot``)."""
+    folder, hf = tiny_hf
+    lm = load_model(folder, dtype=np.float32, attention_backend="xla")
+    model = model_in(lm, form)
+    ids = np.random.default_rng(4).integers(0, lm.config.vocab_size, 9).tolist()
+    kv = new_pool(lm.config, 9)
+    for i, t in enumerate(ids):
+        md = step_metadata([i], [1], block_size=BS, blocks_per_seq=8)
+        logits, kv = model(np.array([t], np.int32), kv, md)
+        np.testing.assert_allclose(np.asarray(logits[0]), hf_logits(hf, ids[:i + 1])[-1], atol=1e-4, rtol=0,
+                                   err_msg=f"token {i}")
+
+
+@pytest.mark.parametrize("k", [64, 576, 1536, 30])
+def test_cpu_dot_equals_the_plain_product(k):
+    """One row (split contraction, when ``k`` divides) and several rows (plain) against numpy in float64."""
+    import jax
+
+    from jaxpaged.model import _cpu_dot
+
+    rng = np.random.default_rng(k)
+    w = rng.standard_normal((k, 96), dtype=np.float32)
+    for rows in (1, 3):
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        got = np.asarray(_cpu_dot(x, w, precision=jax.lax.Precision.HIGHEST))
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
 def test_chunked_prefill_matches_hf(tiny_hf, form):
     """A prompt fed in chunks that start mid-block attends to its cached prefix."""
     folder, hf = tiny_hf
