@@ -43,7 +43,8 @@ What it does, in one process:
    prompt cache, all at once: generated tok/s from the first submit to the last response,
    and each request's token count checked. Also single-stream decode on both sides: one
    request, ``--single-stream-tokens`` new tokens, prefill excluded (llama.cpp's
-   ``predicted_per_second``; jaxpaged's decode steps over their step times). llama.cpp keeps
+   ``predicted_per_second``; jaxpaged's decode steps over their step times), the two sides
+   alternating prompt by prompt and the ratio taken per pair. llama.cpp keeps
    its KV cache in f16 unless told otherwise, so it runs in each of ``--llama-configs``: K/V
    in float32 without and with flash attention (the ratios take the faster), and its f16
    default for reference.
@@ -246,15 +247,37 @@ def agreement(a: list[list[int]], b: list[list[int]], k: int = 16) -> float:
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else float("nan")
 
 
-def jaxpaged_single_stream(llm, prompts: list[list[int]], new_tokens: int) -> dict:
+def jaxpaged_decode_rate(llm, prompt: list[int], new_tokens: int) -> dict:
     """Decode tok/s of one request alone, prefill excluded: its ``new_tokens - 1`` decode
-    steps over their summed step times (the engine's step timings), the median over
-    ``prompts[1:]``; ``prompts[0]`` is a warm-up that compiles the batch-1 shapes."""
-    runs = [run_offline(llm, Workload("single", [p], [new_tokens], 0, "one request"), "jaxpaged single stream",
-                        progress=False) for p in prompts][1:]
-    rates = sorted(ph["decode_steps"] / ph["decode_s"] for ph in (r.phase_split() for r in runs))
-    return {"decode_tok_s": rates[len(rates) // 2], "decode_tok_s_runs": rates,
-            "compiles": sum(r.compiles for r in runs), "as_asked": all(r.wrong_lengths == 0 for r in runs)}
+    steps over their summed step times (the engine's step timings)."""
+    r = run_offline(llm, Workload("single", [prompt], [new_tokens], 0, "one request"), "jaxpaged single stream",
+                    progress=False)
+    ph = r.phase_split()
+    return {"decode_tok_s": ph["decode_steps"] / ph["decode_s"], "compiles": r.compiles,
+            "as_asked": r.wrong_lengths == 0}
+
+
+def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int) -> tuple[dict, dict]:
+    """Single-stream decode on both sides, alternating prompt by prompt (jaxpaged, then
+    llama.cpp on the same ids): batch-1 decode reads every weight per token, and this
+    machine's memory bandwidth swings between ~40 and ~80 GB/s within minutes, so only rates
+    taken in the same minute compare. Returns (jaxpaged, llama.cpp) summaries; the ratio is
+    the median of the per-prompt ratios."""
+    from llama_cpp_peer import single_stream
+
+    jp, lc = [], []
+    for p in prompts:
+        jp.append(jaxpaged_decode_rate(llm, p, new_tokens))
+        lc.append(single_stream(server, [p], new_tokens))
+    jp_runs = [r["decode_tok_s"] for r in jp]
+    lc_runs = [r["decode_tok_s"] for r in lc]
+    ratios = [b / a for a, b in zip(jp_runs, lc_runs)]
+    return ({"decode_tok_s": float(np.median(jp_runs)), "decode_tok_s_runs": jp_runs,
+             "compiles": sum(r["compiles"] for r in jp), "as_asked": all(r["as_asked"] for r in jp)},
+            {"decode_tok_s": float(np.median(lc_runs)), "decode_tok_s_runs": lc_runs,
+             "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in lc])),
+             "as_asked": all(r["as_asked"] for r in lc), "paired_ratio": float(np.median(ratios)),
+             "paired_ratios": ratios})
 
 
 def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path, Path], vocab: int) -> dict:
@@ -266,12 +289,13 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
     context fits the longest request. A server is up only while its setting is measured.
     The ratios take llama.cpp's fastest float32 setting, per measure.
     """
-    from llama_cpp_peer import CONFIGS, LlamaServer, run_batch, single_stream
+    from llama_cpp_peer import CONFIGS, LlamaServer, run_batch
 
     bin_dir, gguf = llama
     n = args.single_stream_tokens
-    prompts1 = [w.subset(1).with_fresh_ids(args.seed + 50_000 + k, vocab).prompts[0] for k in range(4)]
-    jp1 = jaxpaged_single_stream(llm, prompts1, n)
+    prompts1 = [w.subset(1).with_fresh_ids(args.seed + 50_000 + k, vocab).prompts[0] for k in range(5)]
+    jaxpaged_decode_rate(llm, prompts1[0], n)  # compiles the batch-1 shapes
+    jp_single = []
     ctx = max(max(len(p) + m for p, m in zip(w.prompts, w.max_tokens)), len(prompts1[0]) + n) + 16
     jp_out = [main_run.outputs.get(i, []) for i in range(len(w))]
     configs = {}
@@ -281,21 +305,27 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
                          flags=cfg.flags) as server:
             server.complete(w.prompts[0][:8], 4)  # first-call costs out of the timing
             batch = run_batch(server, w.prompts, w.max_tokens)
-            single = single_stream(server, prompts1[1:], n)
+            jp_one, single = paired_single_stream(llm, server, prompts1[1:], n)
+        jp_single.append(jp_one)
         batch["agreement_first16"] = agreement(jp_out, batch.pop("outputs"))
         batch["gen_tok_s"] = batch["num_generated"] / batch["wall_s"]
         batch["total_tok_s"] = (batch["num_generated"] + sum(w.prompt_lens)) / batch["wall_s"]
         configs[name] = {"server": server.cmd, "log": str(server.log), "float32": cfg.float32, "note": cfg.note,
                          "batch": batch, "single_stream": single}
         print(f"llama.cpp {name} ({cfg.note}): {batch['gen_tok_s']:.0f} generated tok/s, single stream "
-              f"{single['decode_tok_s']:.1f} tok/s", flush=True)
+              f"{single['decode_tok_s']:.1f} tok/s (jaxpaged beside it {jp_one['decode_tok_s']:.1f})", flush=True)
+    jp_runs = [r for one in jp_single for r in one["decode_tok_s_runs"]]
+    jp1 = {"decode_tok_s": float(np.median(jp_runs)), "decode_tok_s_runs": jp_runs,
+           "compiles": sum(one["compiles"] for one in jp_single),
+           "as_asked": all(one["as_asked"] for one in jp_single)}
     f32 = {k: c for k, c in configs.items() if c["float32"]}
     best = {}
     if f32:
         gen = max(f32, key=lambda k: f32[k]["batch"]["gen_tok_s"])
         one = max(f32, key=lambda k: f32[k]["single_stream"]["decode_tok_s"])
         best = {"gen_tok_s": f32[gen]["batch"]["gen_tok_s"], "gen_config": gen,
-                "decode_tok_s": f32[one]["single_stream"]["decode_tok_s"], "decode_config": one}
+                "decode_tok_s": f32[one]["single_stream"]["decode_tok_s"], "decode_config": one,
+                "decode_ratio": f32[one]["single_stream"]["paired_ratio"]}
     out = {"configs": configs, "best_float32": best,
            "single_stream": {"jaxpaged": jp1, "prompt_len": len(prompts1[0]), "new_tokens": n}}
     llama_tables(w, main_run, out)
@@ -329,23 +359,25 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
                    "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
                    "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
     rows = [["jaxpaged", "float32", jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
-             " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-"]]
+             " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-", "-"]]
     for name, c in configs.items():
         lc1 = c["single_stream"]
         rows.append([f"llama.cpp {name}", c["note"], lc1["decode_tok_s"], 1e3 / lc1["decode_tok_s"],
                      " ".join(f"{r:.1f}" for r in lc1["decode_tok_s_runs"]), lc1["as_asked"],
-                     lc1["decode_tok_s"] / jp1["decode_tok_s"]])
+                     " ".join(f"{r:.2f}" for r in lc1["paired_ratios"]), lc1["paired_ratio"]])
     table(f"Single-stream decode: one request, {ss['prompt_len']}-token prompt, {ss['new_tokens']} new tokens, "
-          f"median of {len(jp1['decode_tok_s_runs'])}",
+          f"medians",
           ["system", "precision", "decode tok/s", "ms / token", "runs (tok/s)", "tokens as asked",
-           "llama.cpp / jaxpaged"], rows,
+           "paired llama.cpp / jaxpaged", "median ratio"], rows,
           ["prefill excluded on both sides: jaxpaged's decode steps over their step times (after a warm-up; "
            f"{jp1['compiles']} XLA compiles while timed), llama.cpp's timings.predicted_per_second",
-           "each run a fresh prompt of random ids, the same ids on both sides"])
+           "each prompt fresh random ids, the same ids on both sides, run by jaxpaged and then at once by "
+           "llama.cpp (the memory bandwidth this decode reads at swings within minutes): the ratios are per "
+           "pair; jaxpaged's row holds all its runs"])
     if best:
         print(f"against llama.cpp's fastest float32 setting: generated tok/s llama.cpp / jaxpaged "
               f"{best['gen_tok_s'] / jp.gen_tok_s:.2f} ({best['gen_config']}), single stream "
-              f"{best['decode_tok_s'] / jp1['decode_tok_s']:.2f} ({best['decode_config']})", flush=True)
+              f"{best['decode_ratio']:.2f} ({best['decode_config']}, paired)", flush=True)
 
 
 # ---- reports ---------------------------------------------------------------------------
