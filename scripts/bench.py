@@ -254,7 +254,7 @@ def jaxpaged_decode_rate(llm, prompt: list[int], new_tokens: int) -> dict:
                     progress=False)
     ph = r.phase_split()
     return {"decode_tok_s": ph["decode_steps"] / ph["decode_s"], "compiles": r.compiles,
-            "as_asked": r.wrong_lengths == 0}
+            "prefill_tok_s": len(prompt) / ph["prefill_or_mixed_s"], "as_asked": r.wrong_lengths == 0}
 
 
 def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int) -> tuple[dict, dict]:
@@ -273,6 +273,7 @@ def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int)
     lc_runs = [r["decode_tok_s"] for r in lc]
     ratios = [b / a for a, b in zip(jp_runs, lc_runs)]
     return ({"decode_tok_s": float(np.median(jp_runs)), "decode_tok_s_runs": jp_runs,
+             "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in jp])),
              "compiles": sum(r["compiles"] for r in jp), "as_asked": all(r["as_asked"] for r in jp)},
             {"decode_tok_s": float(np.median(lc_runs)), "decode_tok_s_runs": lc_runs,
              "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in lc])),
@@ -316,6 +317,7 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
               f"{single['decode_tok_s']:.1f} tok/s (jaxpaged beside it {jp_one['decode_tok_s']:.1f})", flush=True)
     jp_runs = [r for one in jp_single for r in one["decode_tok_s_runs"]]
     jp1 = {"decode_tok_s": float(np.median(jp_runs)), "decode_tok_s_runs": jp_runs,
+           "prefill_tok_s": float(np.median([one["prefill_tok_s"] for one in jp_single])),
            "compiles": sum(one["compiles"] for one in jp_single),
            "as_asked": all(one["as_asked"] for one in jp_single)}
     f32 = {k: c for k, c in configs.items() if c["float32"]}
@@ -359,21 +361,25 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
                    "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
                    "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
     rows = [["jaxpaged", "float32", jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
-             " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-", "-"]]
+             " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-", "-",
+             jp1["prefill_tok_s"]]]
     for name, c in configs.items():
         lc1 = c["single_stream"]
         rows.append([f"llama.cpp {name}", c["note"], lc1["decode_tok_s"], 1e3 / lc1["decode_tok_s"],
                      " ".join(f"{r:.1f}" for r in lc1["decode_tok_s_runs"]), lc1["as_asked"],
-                     " ".join(f"{r:.2f}" for r in lc1["paired_ratios"]), lc1["paired_ratio"]])
+                     " ".join(f"{r:.2f}" for r in lc1["paired_ratios"]), lc1["paired_ratio"],
+                     lc1["prefill_tok_s"]])
     table(f"Single-stream decode: one request, {ss['prompt_len']}-token prompt, {ss['new_tokens']} new tokens, "
           f"medians",
           ["system", "precision", "decode tok/s", "ms / token", "runs (tok/s)", "tokens as asked",
-           "paired llama.cpp / jaxpaged", "median ratio"], rows,
+           "paired llama.cpp / jaxpaged", "median ratio", "prefill tok/s"], rows,
           ["prefill excluded on both sides: jaxpaged's decode steps over their step times (after a warm-up; "
            f"{jp1['compiles']} XLA compiles while timed), llama.cpp's timings.predicted_per_second",
            "each prompt fresh random ids, the same ids on both sides, run by jaxpaged and then at once by "
            "llama.cpp (the memory bandwidth this decode reads at swings within minutes): the ratios are per "
-           "pair; jaxpaged's row holds all its runs"])
+           "pair; jaxpaged's row holds all its runs",
+           "prefill tok/s: the prompt over its one prefill step (jaxpaged; its first token sampled in it) or "
+           "llama.cpp's timings.prompt_per_second, medians"])
     if best:
         print(f"against llama.cpp's fastest float32 setting: generated tok/s llama.cpp / jaxpaged "
               f"{best['gen_tok_s'] / jp.gen_tok_s:.2f} ({best['gen_config']}), single stream "
