@@ -441,8 +441,11 @@ class Scheduler:
         ones are dropped (the one extra token a finished sequence may get); preempted ones
         keep theirs.
         """
-        # A request preempted while deciding ``out`` may have finished since (async scheduling).
-        touched = {r.request_id: r for r in [*out.preempted, *out.finished] if r in out.finished or not r.finished}
+        # A request preempted while deciding ``out`` may have finished since, and one ``out``
+        # finished (cut) may have been aborted since: an aborted request shows nothing more
+        # (async scheduling).
+        touched = {r.request_id: r for r in [*out.preempted, *out.finished]
+                   if not r.aborted and (r in out.finished or not r.finished)}
         for s in out.scheduled:
             seq, req = s.seq, s.seq.request
             if seq.finished:

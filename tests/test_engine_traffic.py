@@ -144,3 +144,17 @@ def test_a_beam_that_finished_before_the_cut_keeps_its_own_reason(tiny_engine_mo
     beams_cut = [o for a, o in res.finished if id(o) in res.cut and a.params.use_beam_search]
     assert any(c.finish_reason == "stop" and c.finish_detail is None for o in beams_cut for c in o.outputs), beams_cut
     assert assert_same_as_alone(res, alone_engine(tiny_engine_model, oracle=True)) == len(res.finished)
+
+
+def test_a_request_aborted_after_the_step_in_flight_cut_it_gives_no_output(tiny_engine_model):
+    """Round 32143 (a longer run of the oracle tier, twelfth session): with async scheduling,
+    the step scheduled ahead cut a request that had outgrown the pool (two samples, swapped
+    out, then readmitted for recompute); the user aborted it before that step was applied,
+    and the next ``step()`` still returned its final output. ``traffic`` asserts that no
+    output comes for a request after its abort."""
+    rnd = traffic.make_round(32143, num_requests=ORACLE_REQUESTS, vocab_size=tiny_engine_model.config.vocab_size,
+                             any_geometry=True)
+    assert rnd.engine["async_scheduling"]
+    res = traffic.run_round(tiny_engine_model, rnd, oracle=True)
+    assert res.aborted and res.cut
+    assert assert_same_as_alone(res, alone_engine(tiny_engine_model, oracle=True)) == len(res.finished)
