@@ -138,9 +138,9 @@ def _cpu_dot(x: Float[Array, "T K"], w: Float[Array, "K N"], *, precision) -> Fl
     K, N = w.shape
     if x.shape[0] != 1 or K % s:
         return jnp.dot(x, w, precision=precision)
-    y = jax.lax.dot_general(x.reshape(s, 1, K // s), w.reshape(s, K // s, N),
-                            (((2,), (1,)), ((0,), (0,))), precision=precision)  # [s, 1, N]
-    return y.sum(axis=0)
+    y = jax.lax.dot_general(x.reshape(s, 1, K // s), w.reshape(s, K // s, N), (((2,), (1,)), ((0,), (0,))),
+                            precision=precision, preferred_element_type=jnp.float32)  # [s, 1, N]
+    return y.sum(axis=0).astype(x.dtype)  # partials summed in float32, rounded once (bf16 weights)
 
 
 class DecoderLayer(nnx.Module):

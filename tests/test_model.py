@@ -83,19 +83,25 @@ def test_one_token_steps_match_hf(tiny_hf, form):
                                    err_msg=f"token {i}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k", [64, 576, 1536, 30])
-def test_cpu_dot_equals_the_plain_product(k):
-    """One row (split contraction, when ``k`` divides) and several rows (plain) against numpy in float64."""
+def test_cpu_dot_equals_the_plain_product(k, dtype):
+    """One row (split contraction, when ``k`` divides) and several rows (plain) against numpy in
+    float64, at the dtype's precision (bfloat16: the partial sums are added in float32)."""
     import jax
+    import jax.numpy as jnp
 
     from jaxpaged.model import _cpu_dot
 
     rng = np.random.default_rng(k)
-    w = rng.standard_normal((k, 96), dtype=np.float32)
+    dt, tol = (jnp.float32, 1e-5) if dtype == "float32" else (jnp.bfloat16, 1e-2)
+    w = jnp.asarray(rng.standard_normal((k, 96), dtype=np.float32), dt)
     for rows in (1, 3):
-        x = rng.standard_normal((rows, k), dtype=np.float32)
-        got = np.asarray(_cpu_dot(x, w, precision=jax.lax.Precision.HIGHEST))
-        np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+        x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32), dt)
+        got = _cpu_dot(x, w, precision=jax.lax.Precision.HIGHEST)
+        assert got.dtype == dt
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
 
 
 def test_chunked_prefill_matches_hf(tiny_hf, form):
