@@ -10,6 +10,9 @@ Two tiers over the same traffic (``traffic.py``) and the same public loop (``add
 - 1,000 requests on the tiny random model itself, where tokens come from the real kernels
   and sampler. Compilation is what this tier costs (~2 minutes, most of it compiling ~150
   step shapes; the model and the sampler compile separately, so their shapes add up).
+  A greedy completion may part from its tokens alone only where two candidates tie to
+  float32 rounding (``TIE``); beam search has no such allowance (a tie between its kept and
+  its next candidate can change the search: round 9081, outside the suite's rounds).
 
 After every step: the block manager's invariants (``debug_checks``), the sequence limit,
 and FCFS order (no request runs while an older one waits). At the end: every request that
@@ -25,13 +28,31 @@ ROOMY = dict(block_size=16, num_blocks=160, max_num_seqs=8, max_num_batched_toke
              max_model_len=traffic.MAX_MODEL_LEN, enable_prefix_caching=False, async_scheduling=False)
 
 
-def assert_same_as_alone(res, alone) -> int:
+# On the model tier a row's float32 logits depend, in their last bits, on the batch it runs in
+# (the matmul kernels differ with the row count): two candidates closer than this are a tie,
+# and a greedy completion may take either (rounds 9149 and 9306 found gaps of 8.6e-6 and 1.4e-6).
+TIE = 1e-4
+
+
+def _tie_flip(alone, a, i: int, got: list[int], want: list[int]) -> bool:
+    """Whether greedy completion ``i`` of ``a`` first leaves ``want`` (its tokens alone) at a
+    tie: alone, with top-2 logprobs, the token it took there is within ``TIE`` of the other."""
+    k = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), None)
+    if k is None:
+        return False
+    top = alone(a, logprobs=2).outputs[i].logprobs[k]
+    return got[k] in top and abs(top[got[k]].logprob - top[want[k]].logprob) < TIE
+
+
+def assert_same_as_alone(res, alone, *, ties: bool = False) -> int:
     """Each finished request's completions equal those it gets alone; returns how many compared.
 
     Of a request the engine cut because it outgrew the pool, the completions the cut ended
     (``finish_detail``, at "length") must be prefixes of their own alone, and the others equal
     theirs; beam search cut early returns the best hypotheses so far, cut or finished before,
-    which need not be the ones the search finds alone.
+    which need not be the ones the search finds alone. ``ties`` (real kernels): a greedy
+    completion may leave its tokens alone where two candidates tie (``TIE``), and equals them
+    up to there.
     """
     compared = 0
     for a, out in res.finished:
@@ -45,6 +66,9 @@ def assert_same_as_alone(res, alone) -> int:
                 assert c.finish_reason in ("length", "stop") and c.token_ids, (a, c)
             elif c.finish_detail is not None:
                 assert r.token_ids[:len(c.token_ids)] == c.token_ids, (a, c, r)
+            elif ties and a.params.temperature == 0 and not a.params.use_beam_search \
+                    and _tie_flip(alone, a, c.index, list(c.token_ids), list(r.token_ids)):
+                continue
             else:
                 assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (
                     r.token_ids, r.text, r.finish_reason, r.stop_reason), (a, c, r)
@@ -72,10 +96,11 @@ def alone_engine(model, oracle: bool):
     llm = traffic.engine(model, oracle=oracle, **ROOMY)
     cache = {}
 
-    def alone(a):
-        key = (repr(a.prompt), repr(a.params))
+    def alone(a, logprobs=None):
+        params = a.params if logprobs is None else a.params.replace(logprobs=logprobs)
+        key = (repr(a.prompt), repr(params))
         if key not in cache:
-            cache[key] = llm.generate([a.prompt], a.params, use_tqdm=False)[0]
+            cache[key] = llm.generate([a.prompt], params, use_tqdm=False)[0]
             assert llm.stats()["num_preemptions"] == 0
         return cache[key]
 
@@ -92,7 +117,7 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
                                  any_geometry=oracle)
         res = traffic.run_round(model, rnd, oracle=oracle)
         assert res.max_live_seqs <= rnd.engine["max_num_seqs"]
-        totals["compared"] += assert_same_as_alone(res, alone)
+        totals["compared"] += assert_same_as_alone(res, alone, ties=not oracle)
         if not res.aborted:
             preemption_bound(res, rnd.engine["block_size"])
         totals["requests"] += len(rnd.arrivals)
