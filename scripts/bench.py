@@ -44,7 +44,7 @@ What it does, in one process:
    and each request's token count checked. Also single-stream decode on both sides: one
    request, ``--single-stream-tokens`` new tokens, prefill excluded (llama.cpp's
    ``predicted_per_second``; jaxpaged's decode steps over their step times), the two sides
-   alternating prompt by prompt and the ratio taken per pair. llama.cpp keeps
+   back to back on each prompt (each first in turn) and the ratio taken per pair. llama.cpp keeps
    its KV cache in f16 unless told otherwise, so it runs in each of ``--llama-configs``: K/V
    in float32 without and with flash attention (the ratios take the faster), and its f16
    default for reference.
@@ -258,17 +258,21 @@ def jaxpaged_decode_rate(llm, prompt: list[int], new_tokens: int) -> dict:
 
 
 def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int) -> tuple[dict, dict]:
-    """Single-stream decode on both sides, alternating prompt by prompt (jaxpaged, then
-    llama.cpp on the same ids): batch-1 decode reads every weight per token, and this
+    """Single-stream decode on both sides, alternating prompt by prompt (jaxpaged and
+    llama.cpp back to back on the same ids, each first in turn): batch-1 decode reads every
+    weight per token, and this
     machine's memory bandwidth swings between ~40 and ~80 GB/s within minutes, so only rates
     taken in the same minute compare. Returns (jaxpaged, llama.cpp) summaries; the ratio is
     the median of the per-prompt ratios."""
     from llama_cpp_peer import single_stream
 
     jp, lc = [], []
-    for p in prompts:
+    for k, p in enumerate(prompts):  # who goes first alternates, so a drift favours neither side
+        if k % 2:
+            lc.append(single_stream(server, [p], new_tokens))
         jp.append(jaxpaged_decode_rate(llm, p, new_tokens))
-        lc.append(single_stream(server, [p], new_tokens))
+        if not k % 2:
+            lc.append(single_stream(server, [p], new_tokens))
     jp_runs = [r["decode_tok_s"] for r in jp]
     lc_runs = [r["decode_tok_s"] for r in lc]
     ratios = [b / a for a, b in zip(jp_runs, lc_runs)]
@@ -375,8 +379,8 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
            "paired llama.cpp / jaxpaged", "median ratio", "prefill tok/s"], rows,
           ["prefill excluded on both sides: jaxpaged's decode steps over their step times (after a warm-up; "
            f"{jp1['compiles']} XLA compiles while timed), llama.cpp's timings.predicted_per_second",
-           "each prompt fresh random ids, the same ids on both sides, run by jaxpaged and then at once by "
-           "llama.cpp (the memory bandwidth this decode reads at swings within minutes): the ratios are per "
+           "each prompt fresh random ids, the same ids on both sides, run by both back to back, each first "
+           "in turn (the memory bandwidth this decode reads at swings within minutes): the ratios are per "
            "pair; jaxpaged's row holds all its runs",
            "prefill tok/s: the prompt over its one prefill step (jaxpaged; its first token sampled in it) or "
            "llama.cpp's timings.prompt_per_second, medians"])
