@@ -15,6 +15,11 @@
    through the decode path and the prompt rows alone through the ragged one. (The engine
    does not split: a split at a bucketed count leaves some decodes in the ragged part,
    and that measured no better; see the README's "not kept".)
+5. The CPU form's four projections (fused q/k/v, o, fused gate/up, down) over the default
+   model's 30 layers, random weights, as the engine runs them (a ``lax.switch`` per layer
+   inside a scan): ``[in, out]`` weights with the plain dot, with ``model._cpu_dot`` (a
+   one-token step splits the contraction), and ``[out, in]`` weights; at 1 and 48 tokens.
+   Weight GB/s = the 425 MB of weights / time.
 
 Shapes are the default model's attention (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64, float32), at the engine's default block size on this platform (64 on CPU, 16
@@ -285,6 +290,51 @@ def mixed_rows(compositions, reps):
     return rows
 
 
+def projection_rows(token_counts, reps, num_layers=30, d=576, qkv=960, f=1536):
+    """``(tokens, variant, median ms, min ms, weight GB/s, vs plain)`` for the CPU form's projections."""
+    from jaxpaged.model import _cpu_dot
+
+    rng = np.random.default_rng(0)
+    shapes = {"wqkv": (d, qkv), "wo": (d, d), "wgu": (d, 2 * f), "wd": (f, d)}
+    io = [{k: jnp.asarray(rng.standard_normal(sh, dtype=np.float32) / np.sqrt(sh[0])) for k, sh in shapes.items()}
+          for _ in range(num_layers)]
+    oi = [{k: w.T.copy() for k, w in layer.items()} for layer in io]
+    nbytes = sum(w.nbytes for layer in io for w in layer.values())
+    hi = lax.Precision.HIGHEST
+
+    def plain(x, w):
+        return jnp.dot(x, w, precision=hi)
+
+    def split(x, w):
+        return _cpu_dot(x, w, precision=hi)
+
+    def out_in(x, w):
+        return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=hi)
+
+    def make(dot, layers):
+        def layer(p, x):
+            h = dot(x, p["wqkv"])[:, :d]
+            x = x + dot(h, p["wo"])
+            g, u = jnp.split(dot(x, p["wgu"]), 2, axis=1)
+            x = x + 0.1 * dot(jax.nn.silu(g) * u, p["wd"])
+            return x * lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True))
+
+        branches = [functools.partial(layer, p) for p in layers]
+        return jax.jit(lambda x: lax.scan(lambda x, i: (lax.switch(i, branches, x), None), x,
+                                          jnp.arange(num_layers))[0])
+
+    variants = {"[in, out], plain dot": make(plain, io), "[in, out], _cpu_dot": make(split, io),
+                "[out, in]": make(out_in, oi)}
+    rows = []
+    for t in token_counts:
+        x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
+        cases = {name: (f, (x,)) for name, f in variants.items() if t == 1 or name != "[in, out], _cpu_dot"}
+        res = time_round_robin(cases, reps=reps)
+        base = res["[in, out], plain dot"][0]
+        rows += [(t, name, med * 1e3, mn * 1e3, nbytes / med / 1e9, med / base) for name, (med, mn) in res.items()]
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -321,6 +371,12 @@ def main():
     print(f"{'step':<24}{'implementation':<30}{'median ms':>10}{'min ms':>9}")
     for r in mixed_rows(compositions, max(3, reps // 3)):
         print(f"{r[0]:<24}{r[1]:<30}{r[2]:>10.1f}{r[3]:>9.1f}")
+
+    print("\n## the CPU form's projections over 30 layers (default model's shapes, random weights); "
+          "at 48 tokens _cpu_dot is the plain dot")
+    print(f"{'tokens':>7}  {'weights, dot':<24}{'median ms':>10}{'min ms':>9}{'weight GB/s':>12}{'vs plain':>9}")
+    for r in projection_rows((1, 48), 3 * reps):
+        print(f"{r[0]:>7}  {r[1]:<24}{r[2]:>10.2f}{r[3]:>9.2f}{r[4]:>12.1f}{r[5]:>8.2f}x")
 
 
 if __name__ == "__main__":
