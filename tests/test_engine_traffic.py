@@ -174,7 +174,7 @@ def test_a_beam_that_finished_before_the_cut_keeps_its_own_reason(tiny_engine_mo
 def test_a_request_aborted_after_the_step_in_flight_cut_it_gives_no_output(tiny_engine_model):
     """Round 32143 (a longer run of the oracle tier, twelfth session): with async scheduling,
     the step scheduled ahead cut a request that had outgrown the pool (two samples, swapped
-    out, then readmitted for recompute); the user aborted it before that step was applied,
+    out, cut on its way back); the user aborted it before that step was applied,
     and the next ``step()`` still returned its final output. ``traffic`` asserts that no
     output comes for a request after its abort."""
     rnd = traffic.make_round(32143, num_requests=ORACLE_REQUESTS, vocab_size=tiny_engine_model.config.vocab_size,
