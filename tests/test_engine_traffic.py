@@ -11,8 +11,9 @@ Two tiers over the same traffic (``traffic.py``) and the same public loop (``add
   and sampler. Compilation is what this tier costs (~2 minutes, most of it compiling ~150
   step shapes; the model and the sampler compile separately, so their shapes add up).
   A greedy completion may part from its tokens alone only where two candidates tie to
-  float32 rounding (``TIE``); beam search has no such allowance (a tie between its kept and
-  its next candidate can change the search: round 9081, outside the suite's rounds).
+  float32 rounding (``TIE``); beam search and seeded draws have no such allowance (a tie
+  between a beam's kept and next candidate, or between a draw's two largest noisy logits,
+  can change them: rounds 9081 and 11889, outside the suite's rounds).
 
 After every step: the block manager's invariants (``debug_checks``), the sequence limit,
 and FCFS order (no request runs while an older one waits). At the end: every request that
