@@ -257,13 +257,20 @@ def jaxpaged_decode_rate(llm, prompt: list[int], new_tokens: int) -> dict:
             "prefill_tok_s": len(prompt) / ph["prefill_or_mixed_s"], "as_asked": r.wrong_lengths == 0}
 
 
-def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int) -> tuple[dict, dict]:
-    """Single-stream decode on both sides, alternating prompt by prompt (jaxpaged and
-    llama.cpp back to back on the same ids, each first in turn): batch-1 decode reads every
-    weight per token, and this
-    machine's memory bandwidth swings between ~40 and ~80 GB/s within minutes, so only rates
-    taken in the same minute compare. Returns (jaxpaged, llama.cpp) summaries; the ratio is
-    the median of the per-prompt ratios."""
+def jaxpaged_summary(runs: list[dict]) -> dict:
+    """Medians of :func:`jaxpaged_decode_rate` runs."""
+    rates = [r["decode_tok_s"] for r in runs]
+    return {"decode_tok_s": float(np.median(rates)), "decode_tok_s_runs": rates,
+            "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in runs])),
+            "compiles": sum(r["compiles"] for r in runs), "as_asked": all(r["as_asked"] for r in runs)}
+
+
+def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], dict]:
+    """Single-stream decode on both sides, prompt by prompt: jaxpaged and llama.cpp back to
+    back on the same ids, each first in turn. Batch-1 decode reads every weight per token,
+    and this machine's memory bandwidth swings between ~40 and ~80 GB/s within minutes, so
+    only rates taken in the same minute compare. Returns jaxpaged's runs and llama.cpp's
+    summary, whose ratio is the median of the per-prompt ratios."""
     from llama_cpp_peer import single_stream
 
     jp, lc = [], []
@@ -273,16 +280,12 @@ def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int)
         jp.append(jaxpaged_decode_rate(llm, p, new_tokens))
         if not k % 2:
             lc.append(single_stream(server, [p], new_tokens))
-    jp_runs = [r["decode_tok_s"] for r in jp]
     lc_runs = [r["decode_tok_s"] for r in lc]
-    ratios = [b / a for a, b in zip(jp_runs, lc_runs)]
-    return ({"decode_tok_s": float(np.median(jp_runs)), "decode_tok_s_runs": jp_runs,
-             "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in jp])),
-             "compiles": sum(r["compiles"] for r in jp), "as_asked": all(r["as_asked"] for r in jp)},
-            {"decode_tok_s": float(np.median(lc_runs)), "decode_tok_s_runs": lc_runs,
-             "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in lc])),
-             "as_asked": all(r["as_asked"] for r in lc), "paired_ratio": float(np.median(ratios)),
-             "paired_ratios": ratios})
+    ratios = [b / a["decode_tok_s"] for a, b in zip(jp, lc_runs)]
+    return jp, {"decode_tok_s": float(np.median(lc_runs)), "decode_tok_s_runs": lc_runs,
+                "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in lc])),
+                "as_asked": all(r["as_asked"] for r in lc), "paired_ratio": float(np.median(ratios)),
+                "paired_ratios": ratios}
 
 
 def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path, Path], vocab: int) -> dict:
@@ -300,7 +303,7 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
     n = args.single_stream_tokens
     prompts1 = [w.subset(1).with_fresh_ids(args.seed + 50_000 + k, vocab).prompts[0] for k in range(5)]
     jaxpaged_decode_rate(llm, prompts1[0], n)  # compiles the batch-1 shapes
-    jp_single = []
+    jp_runs = []
     ctx = max(max(len(p) + m for p, m in zip(w.prompts, w.max_tokens)), len(prompts1[0]) + n) + 16
     jp_out = [main_run.outputs.get(i, []) for i in range(len(w))]
     configs = {}
@@ -311,19 +314,16 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
             server.complete(w.prompts[0][:8], 4)  # first-call costs out of the timing
             batch = run_batch(server, w.prompts, w.max_tokens)
             jp_one, single = paired_single_stream(llm, server, prompts1[1:], n)
-        jp_single.append(jp_one)
+        jp_runs += jp_one
         batch["agreement_first16"] = agreement(jp_out, batch.pop("outputs"))
         batch["gen_tok_s"] = batch["num_generated"] / batch["wall_s"]
         batch["total_tok_s"] = (batch["num_generated"] + sum(w.prompt_lens)) / batch["wall_s"]
         configs[name] = {"server": server.cmd, "log": str(server.log), "float32": cfg.float32, "note": cfg.note,
                          "batch": batch, "single_stream": single}
         print(f"llama.cpp {name} ({cfg.note}): {batch['gen_tok_s']:.0f} generated tok/s, single stream "
-              f"{single['decode_tok_s']:.1f} tok/s (jaxpaged beside it {jp_one['decode_tok_s']:.1f})", flush=True)
-    jp_runs = [r for one in jp_single for r in one["decode_tok_s_runs"]]
-    jp1 = {"decode_tok_s": float(np.median(jp_runs)), "decode_tok_s_runs": jp_runs,
-           "prefill_tok_s": float(np.median([one["prefill_tok_s"] for one in jp_single])),
-           "compiles": sum(one["compiles"] for one in jp_single),
-           "as_asked": all(one["as_asked"] for one in jp_single)}
+              f"{single['decode_tok_s']:.1f} tok/s (jaxpaged beside it "
+              f"{jaxpaged_summary(jp_one)['decode_tok_s']:.1f})", flush=True)
+    jp1 = jaxpaged_summary(jp_runs)
     f32 = {k: c for k, c in configs.items() if c["float32"]}
     best = {}
     if f32:
@@ -374,7 +374,7 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
                      " ".join(f"{r:.2f}" for r in lc1["paired_ratios"]), lc1["paired_ratio"],
                      lc1["prefill_tok_s"]])
     table(f"Single-stream decode: one request, {ss['prompt_len']}-token prompt, {ss['new_tokens']} new tokens, "
-          f"medians",
+          "medians",
           ["system", "precision", "decode tok/s", "ms / token", "runs (tok/s)", "tokens as asked",
            "paired llama.cpp / jaxpaged", "median ratio", "prefill tok/s"], rows,
           ["prefill excluded on both sides: jaxpaged's decode steps over their step times (after a warm-up; "
