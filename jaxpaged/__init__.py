@@ -6,6 +6,10 @@
 
 import importlib
 
+from jaxpaged.xla_flags import set_default_xla_flags
+
+set_default_xla_flags()
+
 # Lazy, so the host-side modules (block manager, scheduler, sampling params) import
 # without pulling in jax.
 _EXPORTS = {

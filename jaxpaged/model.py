@@ -32,7 +32,7 @@ from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backe
 from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision
-from jaxpaged.pallas.stacked_matmul import stacked_matmul, supports
+from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
@@ -78,19 +78,23 @@ def _param(rngs: nnx.Rngs, shape, dtype, fan_in: int):
 # prefill steps keep XLA's matmul, where the per-layer weight copy is paid once for
 # thousands of tokens and cuBLAS outruns the Triton kernel.
 STACKED_MAX_TOKENS = 1024
+# q/k/v and gate/up as one launch each (grouped_stacked_matmul); scripts/bench_gpu.py turns
+# it off to measure one launch per projection.
+GROUPED_PROJECTIONS = True
 
 
 def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
     """``matmul(x, p, name, layer)``: ``x @ p.<name>`` inside the layer scan, contracting
     every axis of ``x`` after the first with the weight's leading axes (``"TD,DNH->TNH"``
-    for the query projection, ``"TNH,NHD->TD"`` for the output one, ``"TD,DF->TF"`` ...).
+    for the query projection, ``"TNH,NHD->TD"`` for the output one, ``"TD,DF->TF"`` ...);
+    with a tuple of names, the tuple of those products.
 
-    ``stacked``: lowered for CUDA, read the layer's weight straight out of the stacked
-    ``[L, ...]`` array with :func:`~jaxpaged.pallas.stacked_matmul.stacked_matmul` (a free
-    reshape to ``[L, K, N]``). Under ``lax.scan`` XLA copies each layer's slice before a
-    cuBLAS matmul: for the MLP 9.7 ms of a 24.6 ms Llama-3-8B decode step on an H100.
-    Triton runs it where it can tile the shape; other platforms, and shapes it cannot tile,
-    take the slice the scan made.
+    ``stacked``: lowered for CUDA, read the layer's weights straight out of the stacked
+    ``[L, ...]`` arrays with :func:`~jaxpaged.pallas.stacked_matmul.grouped_stacked_matmul`
+    (free reshapes to ``[L, K, N]``; q, k and v in one launch, gate and up in another).
+    Under ``lax.scan`` XLA copies each layer's slice before a cuBLAS matmul: for the MLP
+    9.7 ms of a 24.6 ms Llama-3-8B decode step on an H100. Triton runs it where it can tile
+    the shapes; other platforms, and shapes it cannot tile, take the slices the scan made.
     """
 
     def dense(x, w):
@@ -98,20 +102,32 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
         return jax.lax.dot_general(x, w, ((tuple(range(1, k + 1)), tuple(range(k))), ((), ())),
                                    precision=precision)
 
-    def matmul(x, p, name: str, layer):
-        sliced = getattr(p, name)[...]  # [*K, *N], this layer's slice, as the scan made it
-        K, out = math.prod(x.shape[1:]), sliced.shape[x.ndim - 1:]
-        # Every platform_dependent branch is traced: the kernel must accept the shape and dtype.
-        if not stacked or not supports(K, math.prod(out)) or x.dtype != sliced.dtype:
-            return dense(x, sliced)
-        w = getattr(layers, name)[...]  # [L, *K, *N], the whole stack
-        w = w.reshape(w.shape[0], K, math.prod(out))
+    def matmul(x, p, names: str | tuple[str, ...], layer):
+        """One projection (``names`` a string) or several of the same input (a tuple: q, k,
+        v; gate, up), one launch of the grouped kernel for all of them."""
+        group = (names,) if isinstance(names, str) else names
+        if len(group) > 1 and not GROUPED_PROJECTIONS:
+            return tuple(matmul(x, p, name, layer) for name in group)
+        sliced = [getattr(p, name)[...] for name in group]  # [*K, *N], this layer's slices, as the scan made them
+        K = math.prod(x.shape[1:])
+        outs = [w.shape[x.ndim - 1:] for w in sliced]
+        # Every platform_dependent branch is traced: the kernel must accept the shapes and dtype.
+        if not stacked or not all(supports(K, math.prod(o)) and x.dtype == w.dtype for o, w in zip(outs, sliced)):
+            res = tuple(dense(x, w) for w in sliced)
+            return res[0] if isinstance(names, str) else res
+        ws = []
+        for name, out in zip(group, outs):
+            w = getattr(layers, name)[...]  # [L, *K, *N], the whole stack
+            ws.append(w.reshape(w.shape[0], K, math.prod(out)))
 
-        def kernel(x, w, layer):
-            return stacked_matmul(x.reshape(x.shape[0], K), w, layer, interpret=False).reshape(x.shape[0], *out)
+        def kernel(x, ws, layer):
+            res = grouped_stacked_matmul(x.reshape(x.shape[0], K), tuple(ws), layer, interpret=False)
+            return tuple(r.reshape(x.shape[0], *out) for r, out in zip(res, outs))
 
-        # Elsewhere the slice is used as before (and the unused stack costs nothing).
-        return jax.lax.platform_dependent(x, w, layer, cuda=kernel, default=lambda x, w, layer: dense(x, sliced))
+        # Elsewhere the slices are used as before (and the unused stacks cost nothing).
+        res = jax.lax.platform_dependent(x, ws, layer, cuda=kernel,
+                                         default=lambda x, ws, layer: tuple(dense(x, w) for w in sliced))
+        return res[0] if isinstance(names, str) else res
 
     return matmul
 
@@ -303,16 +319,13 @@ class Llama(nnx.Module):
                 p = nnx.merge(layer_def, state)
                 with jax.named_scope("attention"):
                     h = rms_norm(x, p.input_norm[...], eps)
-                    q = matmul(h, p, "wq", layer)  # "TD,DNH->TNH"
-                    k = matmul(h, p, "wk", layer)  # "TD,DKH->TKH"
-                    v = matmul(h, p, "wv", layer)
+                    q, k, v = matmul(h, p, ("wq", "wk", "wv"), layer)  # "TD,DNH->TNH", "TD,DKH->TKH"
                     o, kv = attention(kv, q, k, v, layer)
                     # Row-parallel under TP: GSPMD all-reduces the partial sums over the head shards.
                     x = x + matmul(o, p, "wo", layer)  # "TNH,NHD->TD"
                 with jax.named_scope("mlp"):
                     h = rms_norm(x, p.post_attn_norm[...], eps)
-                    g = matmul(h, p, "w_gate", layer)  # "TD,DF->TF"
-                    u = matmul(h, p, "w_up", layer)
+                    g, u = matmul(h, p, ("w_gate", "w_up"), layer)  # "TD,DF->TF"
                     # Row-parallel, as wo.
                     x = x + matmul(jax.nn.silu(g) * u, p, "w_down", layer)  # "TF,FD->TD"
                 return (x, kv), None

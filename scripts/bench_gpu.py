@@ -344,25 +344,30 @@ def by_batch_table(timeline, records) -> list[dict]:
     return rows
 
 
-def matmul_table() -> list[dict]:
+def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> list[dict]:
     """The stacked-weight matmul against XLA's slice-then-matmul for Llama-3-8B's projections,
-    by tokens per step, and, for few tokens, other tiles and split-K (the unsplit kernel is
-    bound there by each program's walk over K, not by bandwidth)."""
-    from jaxpaged.pallas.stacked_matmul import default_config, stacked_matmul
+    by tokens per step: the default (split-K from ``default_splits``) and, where it splits,
+    the unsplit kernel; with ``sweep``, for few tokens, other tiles and split factors too."""
+    from jaxpaged.pallas.stacked_matmul import default_config, default_splits, stacked_matmul
 
     print("\n## Stacked matmul vs XLA (x @ w[layer] of a [3, K, N] stack), Llama-3-8B projections, bf16")
     shapes = (("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate/up", 4096, 14336), ("down", 14336, 4096))
     layer = jax.device_put(jnp.int32(1))
     xla = jax.jit(lambda x, w, l: x @ jax.lax.dynamic_index_in_dim(w, l, keepdims=False))
     rows = []
-    for T in (16, 64, 256, 512, 1024, 2048):
+    for T in tokens:
         for name, K, N in shapes:
             x = jax.random.normal(jax.random.key(0), (T, K), jnp.bfloat16)
             w = (jax.random.normal(jax.random.key(1), (3, K, N), jnp.float32) / 64).astype(jnp.bfloat16)
             want = np.asarray(xla(x, w, layer), np.float32)
-            cands = [("xla", xla), ("default " + str(default_config(T, K, N)), jax.jit(
+            config = default_config(T, K, N)
+            splits = default_splits(T, K, N, config[0])
+            cands = [("xla", xla), (f"default {config} split{splits}", jax.jit(
                 functools.partial(stacked_matmul, interpret=False)))]
-            if T <= 64:  # tiles and split-K for few tokens (splits: programs per output tile)
+            if splits > 1:
+                cands.append(("default unsplit", jax.jit(functools.partial(stacked_matmul, interpret=False,
+                                                                           splits=1))))
+            if sweep and T <= 64:  # tiles and split-K for few tokens (splits: programs per output tile)
                 for bn, bk, nw, ns, sp in ((32, 128, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 4, 3, 1),
                                            (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (64, 128, 4, 3, 8),
                                            (32, 128, 4, 3, 4), (128, 128, 4, 3, 4)):
@@ -461,10 +466,17 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     run = run_offline(llm, wl, "jaxpaged", progress=False)
     timeline.append((0, 0, time.perf_counter()))
     timed_run_launch_s = launch_s[0]
-    sub = dataclasses.replace(wl, prompts=wl.prompts[:256], max_tokens=wl.max_tokens[:256])
-    llm.core.async_scheduling, runner.dispatch, runner.collect = False, timed_dispatch, timed_collect
-    run_offline(llm, sub.with_fresh_ids(3, cfg.vocab_size), "per-step device times", progress=False)
-    llm.core.async_scheduling, runner.dispatch, runner.collect, runner._launch = True, dispatch, collect, launch
+    runner.dispatch, runner._launch = dispatch, launch
+    # 1.5x max_num_seqs requests with outputs capped at 96 tokens: the first batch prefills,
+    # decodes, and as it finishes the rest are admitted in chunks beside the running
+    # decodes, so the pass holds the busy phase's mixed steps too, in a few seconds.
+    n_sub = min(n_req, 3 * args.max_num_seqs // 2)
+    sub = dataclasses.replace(wl, prompts=wl.prompts[:n_sub], max_tokens=[min(m, 96) for m in wl.max_tokens[:n_sub]])
+    if not args.lean:
+        llm.core.async_scheduling, runner.dispatch, runner.collect = False, timed_dispatch, timed_collect
+        runner._launch = timed_launch
+        run_offline(llm, sub.with_fresh_ids(3, cfg.vocab_size), "per-step device times", progress=False)
+        llm.core.async_scheduling, runner.dispatch, runner.collect, runner._launch = True, dispatch, collect, launch
     e = run.engine_stats
     steps = e["num_steps"]
     phases = {k: e[f"time_{k}_s"] / steps * 1e3 for k in ("schedule", "batch", "device", "postprocess")}
@@ -491,7 +503,7 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     print("ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
           + f"; host busy {1 - phases['device'] / sum(phases.values()):.0%} (async scheduling: device = waiting)")
     if dec_bw:
-        print(f"decode steps (>= 64 sequences, synchronous pass over 256 requests): {len(dec_bw)}, bytes moved "
+        print(f"decode steps (>= 64 sequences, synchronous pass): {len(dec_bw)}, bytes moved "
               f"(weights + KV read/written) per "
               f"device-step second: median {np.median(dec_bw):.0%} of the read bandwidth ({bw / 1e12:.2f} TB/s), "
               f"p90 {np.percentile(dec_bw, 90):.0%}")
@@ -501,14 +513,16 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
               f"{np.median(pre_mfu) / 1e12:.0f} TFLOP/s = {np.median(pre_mfu) / H100_BF16_DENSE_FLOPS:.0%} MFU "
               f"(of 989 dense bf16), {np.median(pre_mfu) / peak:.0%} of the 8192^3 matmul rate measured now")
     row["by_batch"] = by_batch_table(timeline, records)
-    # A profile of a short slice: the first 256 requests again (prefill, then decode).
+    if args.lean:
+        return row
+    # A profile of the same slice (prefill, decode, mixed steps).
     folder = os.path.join(os.environ.get("OUT", "bench_out"), "trace_8b")
     with jax.profiler.trace(folder):
         run_offline(llm, sub.with_fresh_ids(2, cfg.vocab_size), "traced", progress=False)
     tr = trace_summary(folder)
     if tr:
         row["trace"] = tr
-        print(f"profile of 256 requests: device busy {tr['device_busy']:.0%} of {tr['window_ms']:.0f} ms; "
+        print(f"profile of {n_sub} requests (outputs <= 96 tokens): device busy {tr['device_busy']:.0%} of {tr['window_ms']:.0f} ms; "
               "top kernels (ms, share of kernel time):")
         for name, ms, share in tr["kernels"]:
             print(f"    {ms:>9.1f}  {share:>5.1%}  {name}")
@@ -526,12 +540,26 @@ def main():
     ap.add_argument("--kv-cache-memory", default="24GiB", help="llama8b")
     ap.add_argument("--backend", default="pallas", help="llama8b: attention backend")
     ap.add_argument("--engine-backends", default="pallas,xla", help="comma-separated attention backends")
+    ap.add_argument("--matmul-tokens", default="16,64,256,512,1024,2048", help="matmul: tokens per step")
+    ap.add_argument("--matmul-sweep", action="store_true", help="matmul: other tiles and split factors too")
+    ap.add_argument("--no-split-k", action="store_true", help="stacked_matmul never splits K (the old kernel)")
+    ap.add_argument("--no-grouped", action="store_true", help="one launch per projection (no q/k/v, gate/up groups)")
+    ap.add_argument("--lean", action="store_true",
+                    help="llama8b: the timed run only (no synchronous pass, no profile)")
     args = ap.parse_args()
     if jax.default_backend() != "gpu" and not (args.quick and args.only == ["llama8b"]):
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
     dev = jax.devices()[0]
+    if args.no_split_k:
+        from jaxpaged.pallas import stacked_matmul
+        stacked_matmul.SPLIT_K = False
+    if args.no_grouped:
+        from jaxpaged import model
+        model.GROUPED_PROJECTIONS = False
     print(f"# bench_gpu  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  jax {jax.__version__}  "
-          f"{dev.device_kind}  {os.cpu_count()} CPUs")
+          f"{dev.device_kind}  {os.cpu_count()} CPUs  split-K {'off' if args.no_split_k else 'auto'}  "
+          f"grouped {'off' if args.no_grouped else 'on'}  "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.default_backend() == "gpu":
         copy_bw, bw, rates = ceilings()
     else:  # --quick --only llama8b checks the code path on CPU; no ceilings to speak of
@@ -555,7 +583,7 @@ def main():
     if "engine" in only:
         engine_table(args.quick, tuple(args.engine_backends.split(",")))
     if "matmul" in only:
-        report["matmul"] = matmul_table()
+        report["matmul"] = matmul_table(tuple(int(t) for t in args.matmul_tokens.split(",")), args.matmul_sweep)
     if "llama8b" in only:
         report["llama8b"] = llama8b_table(args, bw, rates)
     name = "bench_gpu_quick" if args.quick else "bench_gpu"

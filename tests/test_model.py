@@ -161,6 +161,7 @@ def test_unstacked_layers_are_the_stacked_ones(tiny_hf):
         np.testing.assert_array_equal(np.asarray(p.input_norm[...]), np.asarray(stack.input_norm[...][i]))
 
 
+@pytest.mark.cpu_host
 def test_engines_over_one_cpu_model_share_its_unstacked_form(tiny_hf):
     """On one CPU device an engine runs the unstacked form; engines over the same loaded model
     share one copy of it (not one each), and the caller's model keeps its stack."""

@@ -1,6 +1,7 @@
 """The stacked-weight matmul (pallas/stacked_matmul.py) against x @ w[layer], and its Triton lowering."""
 
 import functools
+import os
 import re
 
 import jax
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.compat import abstract_gpu
-from jaxpaged.pallas.stacked_matmul import default_config, stacked_matmul, supports
+from jaxpaged.pallas.stacked_matmul import (TARGET_PROGRAMS, default_config, default_splits, grouped_stacked_matmul,
+                                            stacked_matmul, supports)
 
 
 def case(seed, T, K, N, L=3, dtype=jnp.float32):
@@ -49,6 +51,27 @@ def test_split_k_matches_the_layer_matmul(T, K, N, blocks, splits):
         stacked_matmul(x, w, 0, blocks=blocks, splits=3, interpret=True)
 
 
+@pytest.mark.parametrize("T, widths, blocks, splits", [
+    (20, (64, 32, 32), (16, 32, 16), 1),  # q, k, v-like: one launch, each tile from its own stack
+    (7, (48, 48), None, 1),  # gate, up-like, default tiles
+    (16, (128, 64, 64), (16, 32, 32), 2),  # with split-K partials
+])
+def test_grouped_matches_each_layer_matmul(T, widths, blocks, splits):
+    K = 64
+    x, _ = case(T, T, K, 1)
+    ws = [case(T + i + 1, 1, K, n)[1] for i, n in enumerate(widths)]
+    got = grouped_stacked_matmul(x, tuple(ws), jnp.int32(1), blocks=blocks, splits=splits, interpret=True)
+    assert len(got) == len(widths)
+    for g, w in zip(got, ws):
+        want = jnp.einsum("TK,KN->TN", x, w[1], precision=jax.lax.Precision.HIGHEST)
+        assert g.shape == want.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"must be \[T, K\] and \[L, K, N\] with one L and K"):
+        grouped_stacked_matmul(x, (ws[0], ws[1][:, :32]), 0)
+    with pytest.raises(ValueError, match="block_n=64 does not divide 48"):
+        grouped_stacked_matmul(x, (ws[0], case(0, 1, K, 48)[1]), 0, blocks=(16, 64, 16), interpret=True)
+
+
 def test_matches_the_layer_matmul_bfloat16_and_traced_layer():
     x, w = case(1, 24, 128, 128, L=4, dtype=jnp.bfloat16)
     f = jax.jit(functools.partial(stacked_matmul, blocks=(16, 64, 32), interpret=True))
@@ -64,6 +87,24 @@ def test_default_config_tiles_are_powers_of_two_that_divide():
     assert default_config(64, 4096, 14336) == ((64, 64, 128), 4, 3)
     assert default_config(3, 576, 192) == ((16, 64, 64), 4, 3)  # SmolLM2: K = 576 = 9 x 64
     assert default_config(32, 1536, 576) == ((32, 64, 128), 4, 3)
+
+
+def test_default_splits_fill_the_gpu_for_few_tokens_and_narrow_outputs():
+    # Llama-3-8B at 16 tokens: q/o, k/v, gate/up, down
+    got = {name: default_splits(16, K, N, default_config(16, K, N)[0])
+           for name, K, N in (("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate/up", 4096, 14336),
+                              ("down", 14336, 4096))}
+    assert got == {"q/o": 4, "k/v": 8, "gate/up": 1, "down": 4}
+    for T in (1, 16, 64, 128, 256, 512, 1024):
+        for K, N in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (576, 192), (1536, 576)):
+            blocks = default_config(T, K, N)[0]
+            bt, bn, bk = blocks
+            s = default_splits(T, K, N, blocks)
+            programs = (N // bn) * -(-T // bt)
+            assert s & (s - 1) == 0 and K % (s * bk) == 0, (T, K, N, s)
+            if s > 1:  # each split earns its place: the GPU was short of programs, the partials stay small
+                assert programs * s <= TARGET_PROGRAMS and K // (s * bk) >= 4 and 8 * s * T <= K, (T, K, N, s)
+    assert default_splits(128, 4096, 1024, default_config(128, 4096, 1024)[0]) == 1  # decode-sized steps only
 
 
 def test_bad_shapes_and_tiles_are_explained():
@@ -87,6 +128,15 @@ def test_lowers_to_triton(dtype):
         f = functools.partial(stacked_matmul, blocks=(16, 64, 128), splits=4, interpret=False)
         text = jax.jit(f).trace(x[:16], w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
     assert "stacked_matmul_t16_n64_k128_s4" in text and "stablehlo.reduce" in text
+    with abstract_gpu():  # by default on a GPU, k/v at 16 tokens split K in 8
+        f = functools.partial(stacked_matmul, interpret=False)
+        text = jax.jit(f).trace(x[:16], w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stacked_matmul_t16_n64_k128_s8" in text
+    with abstract_gpu():  # q, k, v of Llama-3-8B at 16 tokens: one launch of 96 tiles, split in 2
+        wq = case(1, 1, 4096, 4096, L=2, dtype=dtype)[1]
+        f = functools.partial(grouped_stacked_matmul, interpret=False)
+        text = jax.jit(f).trace(x[:16], (wq, w, w), jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stacked_matmul_t16_n64_k128_g3_s2" in text
 
 
 def test_supports_only_shapes_triton_can_tile():
@@ -113,9 +163,10 @@ def _call_sites(cuda: str) -> int:
 
 
 def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
-    """Decode steps lowered for CUDA read all seven projections (q, k, v, o, gate, up, down)
-    with the kernel where it can tile them; an odd MLP width keeps XLA's matmul for the MLP
-    on every platform instead of failing to trace, and the attention projections keep the kernel."""
+    """Decode steps lowered for CUDA read all seven projections with the kernel where it can
+    tile them, in four launches (q/k/v, o, gate/up, down); an odd MLP width keeps XLA's
+    matmul for the MLP on every platform instead of failing to trace, and the attention
+    projections keep the kernel."""
     from jaxpaged import runner
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.config import LlamaConfig
@@ -133,14 +184,14 @@ def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
         assert bool(jnp.all(jnp.isfinite(logits)))
         return cuda
 
-    assert _call_sites(decode_step(128)) == 7
-    assert _call_sites(decode_step(100)) == 4
+    assert _call_sites(decode_step(128)) == 4
+    assert _call_sites(decode_step(100)) == 2
 
 
-@pytest.mark.parametrize("extra, sites", [(0, 7), (16, 0)], ids=["at-the-bound", "past-it"])
+@pytest.mark.parametrize("extra, sites", [(0, 4), (16, 0)], ids=["at-the-bound", "past-it"])
 def test_mixed_steps_up_to_the_token_bound_read_the_weights_in_place(extra, sites):
     """Steps of at most ``STACKED_MAX_TOKENS`` tokens (continuous batching's decode + prefill
-    chunks) take the kernel for all seven projections when lowered for CUDA; bigger prefill
+    chunks) take the kernel for all seven projections (four launches) when lowered for CUDA; bigger prefill
     steps keep XLA's matmul (cuBLAS outruns the kernel there, measured on an H100)."""
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.config import LlamaConfig
@@ -157,3 +208,23 @@ def test_mixed_steps_up_to_the_token_bound_read_the_weights_in_place(extra, site
     cuda, _ = _model_step(cfg, init_kv_pool(2, nblocks + 1, 2, BS, 16, jnp.float32), jnp.zeros(T, jnp.int32), md,
                           jnp.array([T - 1]))
     assert _call_sites(cuda) == sites
+
+
+def test_import_asks_xla_for_cuda_graphs_over_the_step_unless_told_otherwise():
+    import subprocess
+    import sys
+
+    from jaxpaged.xla_flags import COMMAND_BUFFERS, set_default_xla_flags
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    set_default_xla_flags(env)
+    assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 --xla_gpu_enable_command_buffer={COMMAND_BUFFERS}"
+    for env in ({"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, {"JAXPAGED_COMMAND_BUFFERS": "0"}):
+        before = dict(env)
+        set_default_xla_flags(env)
+        assert env == before  # the user's own flag, or the opt-out, wins
+    # In a fresh process `import jaxpaged` sets it before jax starts, and jax still runs here (CPU ignores it).
+    code = "import os, jaxpaged, jax.numpy as jnp; assert float(jnp.ones(3).sum()) == 3; print(os.environ['XLA_FLAGS'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXPAGED_COMMAND_BUFFERS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "WHILE" in out

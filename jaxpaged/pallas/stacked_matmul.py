@@ -25,9 +25,11 @@ On CPU the kernel runs in the Pallas interpreter (tests only).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -39,27 +41,35 @@ from jaxpaged.pallas import common
 def _kernel(
     layer_ref,  # [1] int32, whole
     x_ref,  # [block_t, K]
-    w_ref,  # [L, K, N], the whole stack
-    o_ref,  # [block_t, block_n]: this split's partial sums (float32) or, unsplit, the output
-    *,
+    *refs,  # the weight stacks [L, K, N_g], whole, then o_ref [block_t, block_n]: this
+    # split's partial sums (float32) or, unsplit, the output
     block_k: int,
     k_per_split: int,
+    tile_starts: tuple[int, ...],  # first output tile of each weight, then the total
 ):
+    *w_refs, o_ref = refs
     j = pl.program_id(0)
     k_start = pl.program_id(2) * k_per_split
     block_t = x_ref.shape[0]
     block_n = o_ref.shape[-1]
     layer = layer_ref[0]
 
-    def body(kk, acc):
-        k0 = k_start + kk * block_k
-        x = x_ref[:, pl.ds(k0, block_k)]
-        w = w_ref[layer, pl.ds(k0, block_k), pl.ds(j * block_n, block_n)]
-        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=common.dot_precision(w.dtype),
-                                     preferred_element_type=jnp.float32)
+    def product(w_ref, col):
+        def body(kk, acc):
+            k0 = k_start + kk * block_k
+            x = x_ref[:, pl.ds(k0, block_k)]
+            w = w_ref[layer, pl.ds(k0, block_k), pl.ds(col, block_n)]
+            return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=common.dot_precision(w.dtype),
+                                         preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+        acc = lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    if len(w_refs) == 1:
+        product(w_refs[0], j * block_n)
+        return
+    for w_ref, lo, hi in zip(w_refs, tile_starts, tile_starts[1:]):  # the weight this output tile comes from
+        pl.when((j >= lo) & (j < hi))(functools.partial(product, w_ref, (j - lo) * block_n))
 
 
 def _largest_power_of_2_dividing(n: int, cap: int) -> int:
@@ -88,6 +98,38 @@ def default_config(T: int, K: int, N: int) -> tuple[tuple[int, int, int], int, i
     return (bt, _largest_power_of_2_dividing(N, bn), _largest_power_of_2_dividing(K, bk)), warps, stages
 
 
+# Whether stacked_matmul picks a split-K factor itself (default_splits); scripts/bench_gpu.py
+# turns it off to measure the unsplit kernel in the engine.
+SPLIT_K = True
+# Programs a launch should offer to fill a Hopper GPU's 132 multiprocessors about twice over.
+TARGET_PROGRAMS = 264
+
+
+def default_splits(T: int, K: int, N: int, blocks: tuple[int, int, int]) -> int:
+    """Split-K factor for ``[T, K] x [K, N]`` with ``blocks``. Steps of one token tile
+    (``T <= 64``: decode steps) only: the largest power of two that keeps the launch at or
+    under :data:`TARGET_PROGRAMS` programs, each program at least 4 ``block_k`` steps of K
+    (Triton pipelines the loop), and the float32 partials at most a quarter of the weight
+    bytes they stand beside (``2 * splits * T <= K / 4``).
+
+    Few tokens and narrow outputs leave the unsplit kernel a handful of programs, each bound
+    by its sequential walk over K rather than by bandwidth: Llama-3-8B's k/v at 16 tokens
+    are 16 output tiles of 64 (16 of 132 multiprocessors busy), q/o and down 64. This gives
+    them 8, 4 and 4 splits; gate/up (224 tiles) stay whole. Measured on an H200
+    (``bench_gpu.py --only matmul``, us, split vs unsplit): k/v 34 vs 40, down 44 vs 65,
+    q/o 34 vs 33; at 128 tokens splitting gained nothing over a layer (387 vs 393 us).
+    """
+    bt, bn, bk = blocks
+    if T > 64:
+        return 1
+    programs = (N // bn) * -(-T // bt)
+    s = 1
+    while (programs * s * 2 <= TARGET_PROGRAMS and K % (s * 2 * bk) == 0 and K // (s * 2 * bk) >= 4
+           and 2 * (s * 2) * T * 4 <= K):
+        s *= 2
+    return s
+
+
 def supports(K: int, N: int) -> bool:
     """Whether Triton can tile ``[T, K] x [K, N]`` here: :func:`default_config` finds tiles of at
     least 16 (a power of two) that divide K and N. Otherwise callers keep XLA's matmul."""
@@ -103,7 +145,7 @@ def stacked_matmul(
     interpret: bool | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    splits: int = 1,
+    splits: int | None = None,
 ) -> Float[Array, "T N"]:
     """``x @ w[layer]`` without materialising ``w[layer]``.
 
@@ -118,26 +160,58 @@ def stacked_matmul(
         products into float32 partials, added up afterwards. For few tokens and narrow
         outputs (Llama-3-8B's k/v: 16 output tiles of 64) the unsplit kernel is bound by
         each program's sequential walk over K (~50 us for any N at 16 tokens on an H100),
-        not by bandwidth. Not yet measured on a GPU; off by default.
+        not by bandwidth. Default: :func:`default_splits` (1 in the interpreter, where
+        splitting only adds work).
     """
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"stacked_matmul: x {x.shape} and w {w.shape} must be [T, K] and [L, K, N]")
-    if x.dtype != w.dtype:
-        raise ValueError(f"stacked_matmul: x is {x.dtype}, w is {w.dtype}; expected one dtype")
-    auto_blocks, warps, stages = default_config(*x.shape, w.shape[2])
-    return _stacked_matmul(x, w, jnp.asarray(layer, jnp.int32).reshape(1), blocks=blocks or auto_blocks,
-                           interpret=common.default_interpret() if interpret is None else interpret,
-                           num_warps=num_warps or warps, num_stages=num_stages or stages, splits=splits)
+    return grouped_stacked_matmul(x, (w,), layer, blocks=blocks, interpret=interpret, num_warps=num_warps,
+                                  num_stages=num_stages, splits=splits)[0]
+
+
+def grouped_stacked_matmul(
+    x: Float[Array, "T K"],
+    ws: tuple[Float[Array, "L K _"], ...],
+    layer: Int[Array, ""] | int,
+    *,
+    blocks: tuple[int, int, int] | None = None,
+    interpret: bool | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    splits: int | None = None,
+) -> tuple[Float[Array, "T _"], ...]:
+    """``tuple(x @ w[layer] for w in ws)`` in one launch: the products of one input with
+    several stacks (a layer's q, k and v; gate and up), as one matmul over their
+    concatenated outputs would give, without concatenating the weights. Each program finds
+    the stack its output tile comes from. One launch instead of three, and the narrow
+    ones (k, v) no longer leave the GPU short of programs on their own. Arguments as
+    :func:`stacked_matmul`; tiles from the summed width, ``block_n`` dividing every one.
+    """
+    if x.ndim != 2 or not ws or any(w.ndim != 3 or w.shape[:2] != ws[0].shape[:2] for w in ws) \
+            or x.shape[1] != ws[0].shape[1]:
+        raise ValueError(f"stacked_matmul: x {x.shape} and w {', '.join(str(w.shape) for w in ws)} must be "
+                         "[T, K] and [L, K, N] with one L and K")
+    for w in ws:
+        if x.dtype != w.dtype:
+            raise ValueError(f"stacked_matmul: x is {x.dtype}, w is {w.dtype}; expected one dtype")
+    widths = tuple(w.shape[2] for w in ws)
+    (bt, bn, bk), warps, stages = default_config(x.shape[0], x.shape[1], sum(widths))
+    blocks = blocks or (bt, _largest_power_of_2_dividing(math.gcd(*widths), bn), bk)
+    interpret = common.default_interpret() if interpret is None else interpret
+    if splits is None:
+        splits = 1 if interpret or not SPLIT_K else default_splits(x.shape[0], x.shape[1], sum(widths), blocks)
+    return _stacked_matmul(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), blocks=blocks,
+                           interpret=interpret, num_warps=num_warps or warps, num_stages=num_stages or stages,
+                           splits=splits)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "num_warps", "num_stages", "splits"))
-def _stacked_matmul(x, w, layer, *, blocks, interpret, num_warps, num_stages, splits):
+def _stacked_matmul(x, ws, layer, *, blocks, interpret, num_warps, num_stages, splits):
     T, K = x.shape
-    N = w.shape[2]
+    widths = [w.shape[2] for w in ws]
+    N = sum(widths)
     bt, bn, bk = blocks
     if splits < 1 or K % (splits * bk):
         raise ValueError(f"stacked_matmul: splits={splits} x block_k={bk} does not divide K={K}")
-    for name, b, n in (("block_n", bn, N), ("block_k", bk, K)):
+    for name, b, n in (*(("block_n", bn, n) for n in widths), ("block_k", bk, K)):
         if n % b:
             raise ValueError(f"stacked_matmul: {name}={b} does not divide {n}")
         if not interpret and (b & (b - 1) or b < 16):
@@ -150,20 +224,25 @@ def _stacked_matmul(x, w, layer, *, blocks, interpret, num_warps, num_stages, sp
     else:  # float32 partial sums per split, added below
         out_shape = jax.ShapeDtypeStruct((splits, Tp, N), jnp.float32)
         out_spec = pl.BlockSpec((None, bt, bn), lambda j, i, s: (s, i, j))
+    tile_starts = tuple(int(t) for t in np.cumsum([0, *widths]) // bn)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, k_per_split=K // splits),
+        functools.partial(_kernel, block_k=bk, k_per_split=K // splits, tile_starts=tile_starts),
         grid=(N // bn, Tp // bt, splits),
         in_specs=[
             pl.BlockSpec(),  # layer
             pl.BlockSpec((bt, K), lambda j, i, s: (i, 0)),  # x
-            pl.BlockSpec(),  # the whole stack
+            *(pl.BlockSpec() for _ in ws),  # the whole stacks
         ],
         out_specs=out_spec,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"stacked_matmul_t{bt}_n{bn}_k{bk}" + (f"_s{splits}" if splits > 1 else ""),
-    )(layer, xp, w)
+        name=f"stacked_matmul_t{bt}_n{bn}_k{bk}" + (f"_g{len(ws)}" if len(ws) > 1 else "")
+        + (f"_s{splits}" if splits > 1 else ""),
+    )(layer, xp, *ws)
     if splits > 1:
         out = out.sum(axis=0).astype(x.dtype)
-    return out[:T] if Tp != T else out
+    out = out[:T] if Tp != T else out
+    if len(ws) == 1:
+        return (out,)
+    return tuple(out[:, a:b] for a, b in zip(np.cumsum([0, *widths[:-1]]), np.cumsum(widths)))
