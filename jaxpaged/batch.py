@@ -1,7 +1,8 @@
 """Turn a scheduler decision into fixed-shape, padded numpy arrays. No jax here.
 
-Every axis is padded to a power of two (with a floor; sequences and sampling rows past 32
-in quarter-octave steps, ``padding.row_bucket``), so the number of distinct step shapes,
+Every axis is padded to a power of two (with a floor; sequences and sampling rows past 32,
+and tokens past 256, in quarter-octave steps: ``padding.row_bucket``,
+``padding.token_bucket``), so the number of distinct step shapes,
 and so of compilations, is bounded by the product of a few short bucket lists:
 tokens ``T``, sequences ``S``, block-table width ``W``, sampling rows ``R`` and prompt
 logprob rows ``P``. A decode-only batch uses ``T == S``.
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxpaged.padding import NULL_BLOCK, bucket, row_bucket
+from jaxpaged.padding import NULL_BLOCK, bucket, row_bucket, token_bucket
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence
 
@@ -78,7 +79,7 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     num_tokens = sum(s.num_new_tokens for s in sched)
     decode_only = all(s.num_new_tokens == 1 for s in sched)
     S = row_bucket(num_seqs)
-    T = S if decode_only else bucket(num_tokens, token_floor)
+    T = S if decode_only else token_bucket(num_tokens, token_floor)
     S = max(S, 1)
     tables = [s.block_table for s in sched]
     W = min(bucket(max(len(t) for t in tables), 4), bucket(max_blocks_per_seq, 4))

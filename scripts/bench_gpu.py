@@ -17,6 +17,13 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    same layers, heads and vocabulary, so the same FLOPs and bytes; random weights because
    the device machine cannot fetch the GGUF): many requests, ``ignore_eos``, fixed output
    lengths, per attention backend.
+6. ``--only matmul``: the in-place layer matmul (grouped as the model calls it) against
+   XLA's slice-then-matmul, per Llama-3-8B projection and tokens per step
+   (``--matmul-tokens``; ``--matmul-sweep`` adds other tiles, warps and split factors).
+7. ``--only llama8b``: Llama-3-8B shapes on a ShareGPT-like workload against vLLM's
+   figure: throughput, where the wall time goes by batch size, device time per step (a
+   synchronous pass), a profile. ``--lean`` times the run alone; ``--no-split-k``,
+   ``--no-grouped`` and ``JAXPAGED_COMMAND_BUFFERS=0`` measure the engine without each.
 
 Timings: a call is dispatched ``n`` times back to back and the device drained once, so
 host dispatch overlaps device work; the median of 5 such rounds after a warm-up. Writes
@@ -345,41 +352,49 @@ def by_batch_table(timeline, records) -> list[dict]:
 
 
 def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> list[dict]:
-    """The stacked-weight matmul against XLA's slice-then-matmul for Llama-3-8B's projections,
-    by tokens per step: the default (split-K from ``default_splits``) and, where it splits,
-    the unsplit kernel; with ``sweep``, for few tokens, other tiles and split factors too."""
-    from jaxpaged.pallas.stacked_matmul import default_config, default_splits, stacked_matmul
+    """The stacked-weight matmul against XLA's slice-then-matmul for Llama-3-8B's projections
+    as the model calls them (q/k/v and gate/up grouped, one launch each), by tokens per
+    step: the default (split-K from ``default_splits``) and, where it splits, the unsplit
+    kernel; with ``sweep``, other tiles, warps, stages and split factors too (for few
+    tokens: narrow deep tiles and splits; for more: Hopper-sized tiles and 8 warps)."""
+    from jaxpaged.pallas.stacked_matmul import default_config, default_splits, grouped_stacked_matmul
 
-    print("\n## Stacked matmul vs XLA (x @ w[layer] of a [3, K, N] stack), Llama-3-8B projections, bf16")
-    shapes = (("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate/up", 4096, 14336), ("down", 14336, 4096))
+    print("\n## Stacked matmul vs XLA (x @ w[layer] of [3, K, N] stacks), Llama-3-8B projections, bf16")
+    shapes = (("q/k/v", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate/up", 4096, (14336, 14336)),
+              ("down", 14336, (4096,)))
     layer = jax.device_put(jnp.int32(1))
-    xla = jax.jit(lambda x, w, l: x @ jax.lax.dynamic_index_in_dim(w, l, keepdims=False))
+    xla = jax.jit(lambda x, ws, l: tuple(x @ jax.lax.dynamic_index_in_dim(w, l, keepdims=False) for w in ws))
     rows = []
     for T in tokens:
-        for name, K, N in shapes:
+        for name, K, widths in shapes:
             x = jax.random.normal(jax.random.key(0), (T, K), jnp.bfloat16)
-            w = (jax.random.normal(jax.random.key(1), (3, K, N), jnp.float32) / 64).astype(jnp.bfloat16)
-            want = np.asarray(xla(x, w, layer), np.float32)
+            ws = tuple((jax.random.normal(jax.random.key(1 + i), (3, K, n), jnp.float32) / 64).astype(jnp.bfloat16)
+                       for i, n in enumerate(widths))
+            want = [np.asarray(o, np.float32) for o in xla(x, ws, layer)]
+            N, gcd = sum(widths), int(np.gcd.reduce(widths))
             config = default_config(T, K, N)
             splits = default_splits(T, K, N, config[0])
             cands = [("xla", xla), (f"default {config} split{splits}", jax.jit(
-                functools.partial(stacked_matmul, interpret=False)))]
+                functools.partial(grouped_stacked_matmul, interpret=False)))]
             if splits > 1:
-                cands.append(("default unsplit", jax.jit(functools.partial(stacked_matmul, interpret=False,
+                cands.append(("default unsplit", jax.jit(functools.partial(grouped_stacked_matmul, interpret=False,
                                                                            splits=1))))
-            if sweep and T <= 64:  # tiles and split-K for few tokens (splits: programs per output tile)
-                for bn, bk, nw, ns, sp in ((32, 128, 4, 4, 1), (64, 256, 4, 3, 1), (16, 512, 4, 3, 1),
-                                           (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (64, 128, 4, 3, 8),
-                                           (32, 128, 4, 3, 4), (128, 128, 4, 3, 4)):
-                    if N % bn == 0 and K % (sp * bk) == 0:
-                        cands.append((f"t{max(16, T)} n{bn} k{bk} w{nw} s{ns} split{sp}", jax.jit(functools.partial(
-                            stacked_matmul, blocks=(max(16, T), bn, bk), interpret=False, num_warps=nw,
+            if sweep:  # (block_t, block_n, block_k, warps, stages, splits)
+                grid = (((max(16, T), 32, 128, 4, 4, 1), (max(16, T), 64, 256, 4, 3, 1), (max(16, T), 64, 128, 4, 3, 2),
+                         (max(16, T), 64, 128, 4, 3, 8), (max(16, T), 128, 128, 4, 3, 4)) if T <= 64 else
+                        ((128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1),
+                         (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 64, 128, 8, 4, 1),
+                         (256, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 2)))
+                for bt, bn, bk, nw, ns, sp in grid:
+                    if gcd % bn == 0 and K % (sp * bk) == 0:
+                        cands.append((f"t{bt} n{bn} k{bk} w{nw} s{ns} split{sp}", jax.jit(functools.partial(
+                            grouped_stacked_matmul, blocks=(bt, bn, bk), interpret=False, num_warps=nw,
                             num_stages=ns, splits=sp))))
             line = []
             for label, f in cands:
                 try:
-                    err = float(np.max(np.abs(np.asarray(f(x, w, layer), np.float32) - want)))
-                    us = per_call(f, x, w, layer) * 1e6
+                    err = max(float(np.max(np.abs(np.asarray(o, np.float32) - w))) for o, w in zip(f(x, ws, layer), want))
+                    us = per_call(f, x, ws, layer) * 1e6
                 except Exception as e:  # a tile Triton refuses (shared memory)
                     print(f"    T={T} {name} {label}: {type(e).__name__} {str(e)[:60]}")
                     continue

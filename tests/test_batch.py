@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from jaxpaged.batch import build_batch
 from jaxpaged.block_manager import BlockManager
-from jaxpaged.padding import NULL_BLOCK, bucket
+from jaxpaged.padding import NULL_BLOCK, bucket, token_bucket
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import ScheduledSeq, SchedulerOutput
 from jaxpaged.sequence import Request
@@ -65,7 +65,7 @@ def test_arrays_match_the_oracle(seqs, holes, seed):
     S = bucket(len(seqs))
     decode_only = all(new == 1 for *_, new in seqs)
     assert b.decode_only == decode_only and b.num_tokens == num_tokens
-    assert b.tokens.shape == (S if decode_only else bucket(num_tokens, 8),)
+    assert b.tokens.shape == (S if decode_only else token_bucket(num_tokens, 8),)
     assert b.block_tables.shape[0] == S and b.block_tables.shape[1] >= max(-(-(c + n) // BS) for _, c, n in seqs)
     want = oracle(sched, bm, b.tokens.shape[0], S, b.block_tables.shape[1])
     for name, got, exp in zip(("tokens", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -100,3 +100,11 @@ def test_row_bucket_pads_by_at_most_a_quarter_past_32():
     assert all(n <= b <= 1.25 * n for n, b in zip(range(33, 1025), sizes[32:]))
     assert sizes == sorted(sizes) and len(set(sizes[32:])) == 4 * 5  # four per octave, 32..1024
     assert row_bucket(48) == 48 and row_bucket(49) == 56 and row_bucket(256) == 256
+
+
+def test_token_bucket_pads_by_at_most_a_quarter_past_256():
+    sizes = [token_bucket(n) for n in range(1, 8193)]
+    assert sizes[:256] == [bucket(n) for n in range(1, 257)]
+    assert all(n <= b <= 1.25 * n for n, b in zip(range(257, 8193), sizes[256:]))
+    assert sizes == sorted(sizes) and len(set(sizes[256:])) == 4 * 5  # four per octave, 256..8192
+    assert token_bucket(656) == 768 and token_bucket(488) == 512 and token_bucket(3, 8) == 8
