@@ -224,6 +224,36 @@ def test_compiled_shapes_bounded_over_mixed_workload(tiny_engine_model):
     assert_no_leak(llm)
 
 
+def test_steps_past_256_tokens_pad_to_quarter_octaves_and_keep_tokens(tiny_engine_model):
+    """A prefill step of 395 tokens runs at T = 448, and a mixed one (3 decodes and a
+    300-token prompt) at 320, not at the next power of two; every request gets the tokens
+    it gets alone."""
+    rng = np.random.default_rng(1)
+    options = dict(max_num_batched_tokens=1024, max_num_seqs=8, block_size=16, num_blocks=160,
+                   enable_prefix_caching=False)
+    llm = make(tiny_engine_model, **options)
+    vocab = llm.config.vocab_size
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (200, 150, 45, 300)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [tokens(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+    llm = make(tiny_engine_model, **options)
+    for i, p in enumerate(prompts[:3]):
+        llm.add_request(p, params, request_id=str(i))
+    got = {}
+    for step in range(40):
+        if step == 1:
+            llm.add_request(prompts[3], params, request_id="3")
+        for o in llm.step():
+            if o.finished:
+                got[int(o.request_id)] = [c.token_ids for c in o.outputs]
+        if not llm.has_unfinished_requests():
+            break
+    assert [got[i] for i in range(4)] == alone
+    Ts = {k[1] for k in llm.runner.compiled_shapes if k[0] == "forward" and not k[-1]}
+    assert {448, 320} <= Ts, Ts
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("prompt, match", [
     ("", "prompt is empty"),
     ([], "prompt is empty"),
