@@ -7,11 +7,14 @@ a layer) that is 9.7 ms of a 24.6 ms decode step on an H100 (``scripts/bench_gpu
 every step. This kernel takes the whole stack and the layer index, as the paged-attention
 kernels take the whole pool, and reads the layer's tiles where they lie.
 
-Grid ``(N / block_n, T / block_t)``, the token tiles innermost, so the programs that run
-side by side read the same ``[K, block_n]`` weight column (L2 hits) and each weight byte
-leaves HBM about once. Tiles per shape: :func:`default_config` (measured on an H100: 1.6-2.5
-TB/s of weights, 2-3x faster than XLA's slice-then-matmul). A program walks K in ``block_k`` steps, accumulating
-``[block_t, block_n]`` in float32 (Triton pipelines the loop's loads over ``num_stages``).
+Grid ``(N / block_n, T / block_t, splits)``, the token tiles inside the output columns, so
+the programs that run side by side read the same ``[K, block_n]`` weight column (L2 hits)
+and each weight byte leaves HBM about once. Tiles per shape: :func:`default_config`
+(measured on an H100: 1.6-2.5 TB/s of weights, 2-3x faster than XLA's slice-then-matmul).
+A program walks K (or its split's share, :func:`default_splits`) in ``block_k`` steps,
+accumulating ``[block_t, block_n]`` in float32 (Triton pipelines the loop's loads over
+``num_stages``). :func:`grouped_stacked_matmul` runs several stacks of one input in one
+launch (q, k and v; gate and up), each program picking the stack of its output tile.
 Used for steps of at most ``model.STACKED_MAX_TOKENS`` (1,024) tokens: decode steps and the
 mixed decode + prefill-chunk steps of continuous batching, for all seven projections (q, k,
 v, o as free reshapes of their stacks). Bigger prefill steps keep XLA's matmul: there the
