@@ -19,7 +19,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    lengths, per attention backend.
 6. ``--only matmul``: the in-place layer matmul (grouped as the model calls it) against
    XLA's slice-then-matmul, per Llama-3-8B projection and tokens per step
-   (``--matmul-tokens``; ``--matmul-sweep`` adds other tiles, warps and split factors).
+   (``--matmul-tokens``; ``--matmul-sweep`` adds other tiles, warps and split factors;
+   ``--use-fastest-tiles`` makes the fastest the default for a llama8b run after it).
 7. ``--only llama8b``: Llama-3-8B shapes on a ShareGPT-like workload against vLLM's
    figure: throughput, where the wall time goes by batch size, device time per step (a
    synchronous pass), a profile. ``--lean`` times the run alone; ``--no-split-k``,
@@ -374,11 +375,14 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> 
             N, gcd = sum(widths), int(np.gcd.reduce(widths))
             config = default_config(T, K, N)
             splits = default_splits(T, K, N, config[0])
-            cands = [("xla", xla), (f"default {config} split{splits}", jax.jit(
-                functools.partial(grouped_stacked_matmul, interpret=False)))]
+            (bt, bn, bk), nw, ns = config
+            while gcd % bn:  # as grouped_stacked_matmul narrows it
+                bn //= 2
+            cands = [("xla", xla, None), (f"default {config} split{splits}", jax.jit(
+                functools.partial(grouped_stacked_matmul, interpret=False)), ((bt, bn, bk), nw, ns, splits))]
             if splits > 1:
                 cands.append(("default unsplit", jax.jit(functools.partial(grouped_stacked_matmul, interpret=False,
-                                                                           splits=1))))
+                                                                           splits=1)), ((bt, bn, bk), nw, ns, 1)))
             if sweep:  # (block_t, block_n, block_k, warps, stages, splits)
                 grid = (((max(16, T), 32, 128, 4, 4, 1), (max(16, T), 64, 256, 4, 3, 1), (max(16, T), 64, 128, 4, 3, 2),
                          (max(16, T), 64, 128, 4, 3, 8), (max(16, T), 128, 128, 4, 3, 4)) if T <= 64 else
@@ -389,20 +393,69 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> 
                     if gcd % bn == 0 and K % (sp * bk) == 0:
                         cands.append((f"t{bt} n{bn} k{bk} w{nw} s{ns} split{sp}", jax.jit(functools.partial(
                             grouped_stacked_matmul, blocks=(bt, bn, bk), interpret=False, num_warps=nw,
-                            num_stages=ns, splits=sp))))
+                            num_stages=ns, splits=sp)), ((bt, bn, bk), nw, ns, sp)))
             line = []
-            for label, f in cands:
+            for label, f, cfg in cands:
                 try:
                     err = max(float(np.max(np.abs(np.asarray(o, np.float32) - w))) for o, w in zip(f(x, ws, layer), want))
                     us = per_call(f, x, ws, layer) * 1e6
                 except Exception as e:  # a tile Triton refuses (shared memory)
                     print(f"    T={T} {name} {label}: {type(e).__name__} {str(e)[:60]}")
                     continue
-                rows.append({"T": T, "shape": name, "impl": label, "us": us, "tflops": 2 * T * K * N / us / 1e6,
-                             "weight_tb_s": K * N * 2 / us / 1e6, "max_err": err})
+                rows.append({"T": T, "shape": name, "K": K, "N": N, "impl": label, "cfg": cfg, "us": us,
+                             "tflops": 2 * T * K * N / us / 1e6, "weight_tb_s": K * N * 2 / us / 1e6,
+                             "max_err": err})
                 line.append(f"{label} {us:.0f}us ({err:.0e})")
             print(f"  T={T:>4} {name:<8} " + " | ".join(line), flush=True)
     return rows
+
+
+def use_fastest_tiles(rows: list[dict]) -> dict:
+    """Make the sweep's fastest kernel configuration per (tokens, K, N) the stacked matmul's
+    default for the rest of this process (the llama8b run after it), so one device call
+    measures the engine with tuned tiles; a step's token count takes the nearest swept one
+    on a log scale, within its regime (decode-sized <= 64, where the token tile follows
+    the step's size, or not). Prints the choices, to
+    be written into ``default_config`` and ``default_splits``."""
+    import math
+
+    from jaxpaged.pallas import stacked_matmul as sm
+
+    best: dict[tuple[int, int, int], dict] = {}
+    for r in rows:
+        key = (r["T"], r["K"], r["N"])
+        if r["cfg"] is not None and r["max_err"] < 0.1 and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    if not best:
+        return {}
+    swept = sorted({T for T, _, _ in best})
+    orig_config, orig_splits = sm.default_config, sm.default_splits
+
+    def pick(T, K, N):
+        near = [s for s in swept if (s <= 64) == (T <= 64)]
+        if not near:
+            return None
+        r = best.get((min(near, key=lambda s: abs(math.log2(s / max(T, 1)))), K, N))
+        return r["cfg"] if r else None
+
+    def config(T, K, N):
+        c = pick(T, K, N)
+        if not c:
+            return orig_config(T, K, N)
+        (bt, bn, bk), warps, stages = c[0], c[1], c[2]
+        if T <= 64:  # decode-sized: one token tile of the step's size, as the default does
+            bt = max(16, 1 << max(T - 1, 0).bit_length())
+        return (bt, bn, bk), warps, stages
+
+    def splits(T, K, N, blocks):
+        c = pick(T, K, N)
+        return c[3] if c else orig_splits(T, K, N, blocks)
+
+    sm.default_config, sm.default_splits = config, splits
+    print("fastest kernel per (tokens, K, N), now the default in this process:")
+    for (T, K, N), r in sorted(best.items()):
+        print(f"    T={T:>4} {r['shape']:<8} {r['impl']:<40} {r['us']:>7.1f} us  cfg {r['cfg']}")
+    return {f"{T},{K},{N}": r["cfg"] for (T, K, N), r in best.items()}
 
 
 def llama8b_table(args, bw: float, rates: dict) -> dict:
@@ -557,6 +610,8 @@ def main():
     ap.add_argument("--engine-backends", default="pallas,xla", help="comma-separated attention backends")
     ap.add_argument("--matmul-tokens", default="16,64,256,512,1024,2048", help="matmul: tokens per step")
     ap.add_argument("--matmul-sweep", action="store_true", help="matmul: other tiles and split factors too")
+    ap.add_argument("--use-fastest-tiles", action="store_true",
+                    help="matmul: the fastest configuration found becomes the default for llama8b after it")
     ap.add_argument("--no-split-k", action="store_true", help="stacked_matmul never splits K (the old kernel)")
     ap.add_argument("--no-grouped", action="store_true", help="one launch per projection (no q/k/v, gate/up groups)")
     ap.add_argument("--lean", action="store_true",
@@ -599,6 +654,8 @@ def main():
         engine_table(args.quick, tuple(args.engine_backends.split(",")))
     if "matmul" in only:
         report["matmul"] = matmul_table(tuple(int(t) for t in args.matmul_tokens.split(",")), args.matmul_sweep)
+        if args.use_fastest_tiles:
+            report["tuned_tiles"] = use_fastest_tiles(report["matmul"])
     if "llama8b" in only:
         report["llama8b"] = llama8b_table(args, bw, rates)
     name = "bench_gpu_quick" if args.quick else "bench_gpu"
