@@ -384,8 +384,10 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> 
                 cands.append(("default unsplit", jax.jit(functools.partial(grouped_stacked_matmul, interpret=False,
                                                                            splits=1)), ((bt, bn, bk), nw, ns, 1)))
             if sweep:  # (block_t, block_n, block_k, warps, stages, splits)
-                grid = (((max(16, T), 32, 128, 4, 4, 1), (max(16, T), 64, 256, 4, 3, 1), (max(16, T), 64, 128, 4, 3, 2),
-                         (max(16, T), 64, 128, 4, 3, 8), (max(16, T), 128, 128, 4, 3, 4)) if T <= 64 else
+                t = max(16, T)
+                grid = (((t, 32, 128, 4, 4, 1), (t, 64, 256, 4, 3, 1), (t, 64, 128, 4, 3, 2), (t, 64, 128, 4, 3, 8),
+                         (t, 128, 128, 4, 3, 4), (t, 128, 64, 4, 4, 2), (t, 64, 64, 4, 5, 4), (t, 32, 256, 4, 3, 2),
+                         (t, 256, 64, 8, 3, 2)) if T <= 64 else
                         ((128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1),
                          (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 64, 128, 8, 4, 1),
                          (256, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 2)))
