@@ -399,7 +399,8 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> 
             line = []
             for label, f, cfg in cands:
                 try:
-                    err = max(float(np.max(np.abs(np.asarray(o, np.float32) - w))) for o, w in zip(f(x, ws, layer), want))
+                    err = max(float(np.max(np.abs(np.asarray(o, np.float32) - w)))
+                              for o, w in zip(f(x, ws, layer), want))
                     us = per_call(f, x, ws, layer) * 1e6
                 except Exception as e:  # a tile Triton refuses (shared memory)
                     print(f"    T={T} {name} {label}: {type(e).__name__} {str(e)[:60]}")
@@ -592,7 +593,8 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     tr = trace_summary(folder)
     if tr:
         row["trace"] = tr
-        print(f"profile of {n_sub} requests (outputs <= 96 tokens): device busy {tr['device_busy']:.0%} of {tr['window_ms']:.0f} ms; "
+        print(f"profile of {n_sub} requests (outputs <= 96 tokens): device busy {tr['device_busy']:.0%} of "
+              f"{tr['window_ms']:.0f} ms; "
               "top kernels (ms, share of kernel time):")
         for name, ms, share in tr["kernels"]:
             print(f"    {ms:>9.1f}  {share:>5.1%}  {name}")

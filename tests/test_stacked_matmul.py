@@ -218,7 +218,8 @@ def test_import_asks_xla_for_cuda_graphs_over_the_step_unless_told_otherwise():
 
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     set_default_xla_flags(env)
-    assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 --xla_gpu_enable_command_buffer={COMMAND_BUFFERS}"
+    want = f"--xla_force_host_platform_device_count=2 --xla_gpu_enable_command_buffer={COMMAND_BUFFERS}"
+    assert env["XLA_FLAGS"] == want
     for env in ({"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, {"JAXPAGED_COMMAND_BUFFERS": "0"}):
         before = dict(env)
         set_default_xla_flags(env)
