@@ -22,6 +22,8 @@ was not aborted finished, no block (device or host) is in use, and no request wa
 preempted more often than the scheduler's bound allows.
 """
 
+import sys
+
 import numpy as np
 import traffic
 
@@ -231,7 +233,7 @@ def test_a_seeded_draw_at_a_float32_tie_may_leave_its_tokens_alone(tiny_engine_m
         ties.append(rebuild(*args))
         return ties[-1]
 
-    monkeypatch.setattr(__import__(__name__), "_seeded_tie", counted)
+    monkeypatch.setattr(sys.modules[__name__], "_seeded_tie", counted)
     rnd = traffic.make_round(11889, num_requests=MODEL_REQUESTS, vocab_size=tiny_engine_model.config.vocab_size)
     res = traffic.run_round(tiny_engine_model, rnd, oracle=False)
     assert assert_same_as_alone(res, alone_engine(tiny_engine_model, oracle=False), ties=True) == len(res.finished)
