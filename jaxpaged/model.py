@@ -147,9 +147,10 @@ def _cpu_dot(x: Float[Array, "T K"], w: Float[Array, "K N"], *, precision) -> Fl
     of ``[1, K/s] x [K/s, N]``, then a sum) gives each thread contiguous blocks, and the
     read follows the memory's bandwidth: the default model's layer matmuls 0.73-0.90x
     the time (the same process, alternating); ``[out, in]`` weights are nearly as fast at
-    one token (0.91-0.93x) but cost 1.16-1.20x at 48. With more tokens the batched form is slower (2 tokens
-    1.16-1.33x): a plain dot. The partial sums change float32 rounding (~1e-7 relative):
-    a row's logits alone and in a batch differ in their last bits, as between batch sizes.
+    one token (0.91-0.93x) but cost 1.16-1.20x at 48. With more tokens the batched form is
+    slower (2 tokens 1.16-1.33x): a plain dot. The partial sums change float32 rounding
+    (~1e-7 relative): a row's logits alone and in a batch differ in their last bits, as
+    between batch sizes.
     """
     s = SPLIT_K_ONE_TOKEN
     K, N = w.shape

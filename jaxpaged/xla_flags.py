@@ -8,7 +8,8 @@ runs in ~10-15 ms, on the same thread as scheduling). With command buffers exten
 calls), the loop is recorded once per step shape as one CUDA graph and replayed. On an
 H200, the Llama-3-8B-shaped run of ``scripts/bench_gpu.py --only llama8b``: 7.5 -> 2.5 ms
 of launch a step, and small-batch steps 14-22% shorter (with split-K, measured together).
-CPU and TPU ignore the flag.
+jax on CPU runs unchanged with it (``tests/test_xla_flags.py``); it names GPU command
+buffers only, and has not been tried on a TPU here.
 
 Set ``JAXPAGED_COMMAND_BUFFERS=0`` to leave XLA's default; a flag the user already gives
 in ``XLA_FLAGS`` wins. Flags are read when jax creates its first backend, so a program that

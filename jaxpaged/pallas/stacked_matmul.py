@@ -195,15 +195,24 @@ def grouped_stacked_matmul(
     for w in ws:
         if x.dtype != w.dtype:
             raise ValueError(f"stacked_matmul: x is {x.dtype}, w is {w.dtype}; expected one dtype")
-    widths = tuple(w.shape[2] for w in ws)
-    (bt, bn, bk), warps, stages = default_config(x.shape[0], x.shape[1], sum(widths))
-    blocks = blocks or (bt, _largest_power_of_2_dividing(math.gcd(*widths), bn), bk)
     interpret = common.default_interpret() if interpret is None else interpret
-    if splits is None:
-        splits = 1 if interpret or not SPLIT_K else default_splits(x.shape[0], x.shape[1], sum(widths), blocks)
-    return _stacked_matmul(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), blocks=blocks,
+    auto_blocks, warps, stages, auto_splits = grouped_config(*x.shape, tuple(w.shape[2] for w in ws),
+                                                             blocks=blocks, interpret=interpret)
+    return _stacked_matmul(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), blocks=blocks or auto_blocks,
                            interpret=interpret, num_warps=num_warps or warps, num_stages=num_stages or stages,
-                           splits=splits)
+                           splits=auto_splits if splits is None else splits)
+
+
+def grouped_config(T: int, K: int, widths: tuple[int, ...], *, blocks: tuple[int, int, int] | None = None,
+                   interpret: bool = False) -> tuple[tuple[int, int, int], int, int, int]:
+    """``(blocks, num_warps, num_stages, splits)`` that :func:`grouped_stacked_matmul` runs
+    ``[T, K]`` against stacks of these output widths with by default: :func:`default_config`
+    for the summed width, ``block_n`` narrowed to divide every width, and
+    :func:`default_splits` (``blocks`` given: the splits for those; 1 in the interpreter)."""
+    (bt, bn, bk), warps, stages = default_config(T, K, sum(widths))
+    blocks = blocks or (bt, _largest_power_of_2_dividing(math.gcd(*widths), bn), bk)
+    splits = 1 if interpret or not SPLIT_K else default_splits(T, K, sum(widths), blocks)
+    return blocks, warps, stages, splits
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "num_warps", "num_stages", "splits"))
