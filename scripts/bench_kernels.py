@@ -20,6 +20,11 @@
    inside a scan): ``[in, out]`` weights with the plain dot, with ``model._cpu_dot`` (a
    one-token step splits the contraction), and ``[out, in]`` weights; at 1 and 48 tokens.
    Weight GB/s = the 425 MB of weights / time.
+6. The decode forward at 1 and 48 rows (the default model's shapes, random weights, as the
+   engine runs it on CPU), whole and with attention left out, beside its floor as
+   ``bench.py``'s roofline counts it (weights at the copy bandwidth, matmul FLOPs at the
+   2048^3 rate, both measured in this run): what the matmuls alone reach, so how much of
+   the floor a step could reach even if attention cost nothing.
 
 Shapes are the default model's attention (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64, float32), at the engine's default block size on this platform (64 on CPU, 16
@@ -335,6 +340,77 @@ def projection_rows(token_counts, reps, num_layers=30, d=576, qkv=960, f=1536):
     return rows
 
 
+def forward_rows(batches, reps, ctx=170, spread=60):
+    """``(weight bytes, [(rows, variant, median ms, min ms)])`` of the default model's decode forward as the
+    engine runs it on CPU (random weights, :func:`~jaxpaged.model.runtime_form`, 64-token
+    blocks), whole and with attention left out: the queries pass through, no K/V is written.
+    Rows have contexts spread over ``ctx +- spread`` (one row: ``ctx``)."""
+    import contextlib
+
+    from flax import nnx
+
+    import jaxpaged.model as model_mod
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.loader import build_model
+    from bench_common import random_params
+
+    cfg = LlamaConfig.smollm2_135m()
+    model = model_mod.runtime_form(build_model(cfg, random_params(cfg), dtype=DTYPE))
+    graphdef, params = nnx.split(model)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+
+    @contextlib.contextmanager
+    def without_attention():
+        saved = model_mod.paged_attention, model_mod.write_kv
+        model_mod.paged_attention = lambda q, kv, layer, md, **kw: q
+        model_mod.write_kv = lambda kv, layer, k, v, slots: kv
+        try:
+            yield
+        finally:
+            model_mod.paged_attention, model_mod.write_kv = saved
+
+    def forward(params, kv, tokens, md):
+        return nnx.merge(graphdef, params)(tokens, kv, md, logits_indices=jnp.arange(tokens.shape[0]))
+
+    def compile_forward(*args):
+        # A new function each time: jax reuses the trace of a function it has seen, patch or not.
+        return jax.jit(lambda *a: forward(*a), donate_argnums=(1,)).lower(*args).compile()
+
+    def stepper(compiled, kv, tokens, md):
+        """A call that runs ``compiled`` with the pool donated and keeps the pool it returns,
+        as the engine does (without donation XLA copies the pool: a 48-row step 3-5x slower)."""
+        box = [kv]
+
+        def step():
+            logits, box[0] = compiled(params, box[0], tokens, md)
+            return logits
+
+        return step
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for S in batches:
+        lens = np.full(S, ctx) if S == 1 else rng.integers(ctx - spread, ctx + spread + 1, S)
+        W = -(-int(lens.max()) // BS)
+        shape = (cfg.num_layers, S * W + 1, cfg.num_kv_heads, BS, cfg.head_dim)
+        pools = [KVPool(jnp.asarray(rng.standard_normal(shape, dtype=np.float32)),
+                        jnp.asarray(rng.standard_normal(shape, dtype=np.float32))) for _ in range(2)]
+        tables = 1 + rng.permutation(S * W).reshape(S, W).astype(np.int32)
+        last = lens - 1
+        md = AttentionMetadata(positions=jnp.asarray(last, jnp.int32),
+                               slot_mapping=jnp.asarray(tables[np.arange(S), last // BS] * BS + last % BS, jnp.int32),
+                               block_tables=jnp.asarray(tables), context_lens=jnp.asarray(lens, jnp.int32),
+                               query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), decode_only=True)
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, S), jnp.int32)
+        whole = compile_forward(params, pools[0], tokens, md)
+        with without_attention():
+            bare = compile_forward(params, pools[1], tokens, md)
+        res = time_round_robin({"whole": (stepper(whole, pools[0], tokens, md), ()),
+                                "without attention": (stepper(bare, pools[1], tokens, md), ())}, reps=reps)
+        rows += [(S, name, med * 1e3, mn * 1e3) for name, (med, mn) in res.items()]
+    return weight_bytes, rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -377,6 +453,20 @@ def main():
     print(f"{'tokens':>7}  {'weights, dot':<24}{'median ms':>10}{'min ms':>9}{'weight GB/s':>12}{'vs plain':>9}")
     for r in projection_rows((1, 48), 3 * reps):
         print(f"{r[0]:>7}  {r[1]:<24}{r[2]:>10.2f}{r[3]:>9.2f}{r[4]:>12.1f}{r[5]:>8.2f}x")
+
+    from bench_common import measure_ceilings
+
+    ceil = measure_ceilings(quick=args.quick)
+    weights, rows = forward_rows((1, 48), reps)
+    print(f"\n## the decode forward and its floors (default model's shapes, random weights, the CPU form; "
+          f"48 rows at contexts 110-230, 1 at 170): the floor is the larger of the weights' bytes at the "
+          f"bandwidth and the matmul FLOPs at the {ceil['matmul_n']}^3 rate, as bench.py's roofline takes them "
+          f"({weights / 1e6:.0f} MB at {ceil['bandwidth'] / 1e9:.1f} GB/s, {ceil['flops'] / 1e9:.0f} GFLOP/s; "
+          f"attention's FLOPs and KV bytes left out)")
+    print(f"{'rows':>5}  {'forward':<20}{'median ms':>10}{'min ms':>9}{'floor ms':>10}{'floor / median':>16}")
+    for S, name, med, mn in rows:
+        floor = max(weights / ceil["bandwidth"], 2 * S * weights / jnp.dtype(DTYPE).itemsize / ceil["flops"])
+        print(f"{S:>5}  {name:<20}{med:>10.2f}{mn:>9.2f}{floor * 1e3:>10.2f}{floor * 1e3 / med:>16.2f}")
 
 
 if __name__ == "__main__":
