@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--block-size", type=int, help="tokens per KV block (default: 64 on CPU, 16 on GPU/TPU)")
     e.add_argument("--num-blocks", type=int)
     e.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2GiB")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="KV pool dtype (auto: the model's; float32 for a 16-bit model on CPU)")
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
@@ -56,7 +58,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
                 attention_backend=args.attention_backend, seed=args.engine_seed,
-                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling)
+                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:

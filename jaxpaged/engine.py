@@ -24,7 +24,7 @@ from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
 from jaxpaged.input_processor import InputProcessor, PromptType, pair_prompts
-from jaxpaged.kv_cache import kv_pool_bytes
+from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
@@ -42,7 +42,7 @@ class LLM:
       model: a Hugging Face folder, a ``.gguf`` file, an already loaded
         :class:`~jaxpaged.loader.LoadedModel`, or None for the embedded default
         (SmolLM2-135M-Instruct).
-      dtype: parameter, activation and KV dtype; default float32 on CPU, bfloat16 elsewhere.
+      dtype: parameter and activation dtype; default float32 on CPU, bfloat16 elsewhere.
       block_size: tokens per KV block (a power of two); default 64 where attention runs in XLA
         ops (CPU), 16 for the Pallas kernels (see :func:`~jaxpaged.engine_args.default_block_size`).
       num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
@@ -68,6 +68,10 @@ class LLM:
         one (vLLM's ``async_scheduling``): the host's work hides behind the device's, and
         the tokens are the synchronous loop's (:mod:`jaxpaged.engine_core`). False runs
         one step at a time.
+      kv_cache_dtype: the KV pool's dtype, ``"auto"``, ``"float32"``, ``"bfloat16"`` or
+        ``"float16"``. ``"auto"``: the model's dtype, but float32 for a 16-bit model on CPU,
+        whose scatter into a 16-bit pool rewrites the whole pool on every write (the same
+        tokens; see :func:`~jaxpaged.kv_cache.resolve_kv_cache_dtype`).
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int | None = None,
@@ -75,11 +79,13 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
-                 kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True):
+                 kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
+                 kv_cache_dtype: str = "auto"):
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
-                          attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling)
+                          attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling,
+                          kv_cache_dtype)
         if isinstance(model, LoadedModel):
             # Sharded, then in the form it runs in (shared by engines over the same model).
             lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
@@ -97,7 +103,8 @@ class LLM:
         cfg = lm.config
         self.max_model_len = args.model_len(cfg.max_position_embeddings)
         self.max_num_batched_tokens = max_num_batched_tokens or 512
-        block_bytes = kv_pool_bytes(cfg.num_layers, 1, cfg.num_kv_heads, block_size, cfg.head_dim, lm.model.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, lm.model.dtype, lm.model.platform)
+        block_bytes = kv_pool_bytes(cfg.num_layers, 1, cfg.num_kv_heads, block_size, cfg.head_dim, self.kv_cache_dtype)
         num_blocks = args.kv_blocks(block_bytes, self.max_model_len)
         if kv_allocator == "contiguous":
             self.bm = ContiguousBlockManager(num_blocks, block_size, max_model_len=self.max_model_len)
@@ -113,7 +120,7 @@ class LLM:
                                    preemption_mode=preemption_mode)
         self.runner = ModelRunner(lm.model, num_blocks=num_blocks, block_size=block_size,
                                   max_model_len=self.max_model_len, eos_ids=self.eos_ids,
-                                  num_host_blocks=self.bm.num_host_blocks)
+                                  num_host_blocks=self.bm.num_host_blocks, dtype=self.kv_cache_dtype)
         self.core = EngineCore(self.scheduler, self.runner, debug_checks=debug_checks,
                                async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,

@@ -10,6 +10,7 @@ import dataclasses
 import re
 
 from jaxpaged.attention import BACKENDS, resolve_backend
+from jaxpaged.kv_cache import check_kv_cache_dtype
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
 DEVICE_KV_FRACTION = 0.5  # of a GPU's or TPU's memory still free after loading the weights
@@ -59,6 +60,7 @@ class EngineArgs:
     kv_allocator: str = "paged"
     tensor_parallel_size: int = 1
     async_scheduling: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.block_size is not None:
@@ -79,6 +81,7 @@ class EngineArgs:
             raise ValueError(f"kv_allocator={self.kv_allocator!r}; choose 'paged' or 'contiguous'")
         if self.kv_allocator == "contiguous" and self.preemption_mode == "swap":
             raise ValueError("kv_allocator='contiguous' has no swap space; use preemption_mode='recompute'")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; choose from {BACKENDS}")
 

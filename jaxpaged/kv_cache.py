@@ -38,6 +38,33 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.padding import NULL_BLOCK
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_kv_cache_dtype(requested: str) -> None:
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={requested!r}; choose from {KV_CACHE_DTYPES}")
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype, platform: str):
+    """The pool's dtype: ``requested`` (one of :data:`KV_CACHE_DTYPES`), where ``"auto"`` is
+    the model's dtype, except that a 16-bit float model on ``"cpu"`` keeps float32 K/V.
+
+    XLA:CPU upcasts a scatter into a 16-bit float array, operand and all: each layer's K/V
+    write into a bfloat16 pool converted the whole pool to float32 and back (a 1 GiB pool:
+    0.8 s a write; a float32 pool: 20 us). A 16-bit model's K/V are exact in float32 and the
+    XLA attention path computes in float32 whatever the pool holds, so the tokens are the
+    same; a float32 pool holds half as many tokens per byte.
+    """
+    check_kv_cache_dtype(requested)
+    if requested != "auto":
+        return jnp.dtype(requested)
+    dtype = jnp.dtype(model_dtype)
+    if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 class KVPool(NamedTuple):
     k: Float[Array, "L NB KVH BS D"]
     v: Float[Array, "L NB KVH BS D"]

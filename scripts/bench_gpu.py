@@ -442,8 +442,10 @@ def use_fastest_tiles(rows: list[dict]) -> dict:
         if not c:
             return orig_config(T, K, N)
         (bt, bn, bk), warps, stages = c[0], c[1], c[2]
-        if T <= 64:  # decode-sized: one token tile of the step's size, as the default does
-            bt = max(16, 1 << max(T - 1, 0).bit_length())
+        fit = max(16, 1 << max(T - 1, 0).bit_length())  # the step's tokens, as a power of two
+        # Decode-sized: one token tile of the step's size, as the default does; otherwise the
+        # swept tile, but never taller than the step (a 96-token step in 256-row tiles).
+        bt = fit if T <= 64 else min(bt, fit)
         return (bt, bn, bk), warps, stages
 
     def splits(T, K, N, blocks):
@@ -607,7 +609,7 @@ def main():
     ap.add_argument("--num-requests", type=int, default=1000, help="llama8b: requests of the workload")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="llama8b")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="llama8b")
-    ap.add_argument("--kv-cache-memory", default="24GiB", help="llama8b")
+    ap.add_argument("--kv-cache-memory", help="llama8b (default 24GiB; 1GiB with --quick, which also runs on CPU)")
     ap.add_argument("--backend", default="pallas", help="llama8b: attention backend")
     ap.add_argument("--engine-backends", default="pallas,xla", help="comma-separated attention backends")
     ap.add_argument("--matmul-tokens", default="16,64,256,512,1024,2048", help="matmul: tokens per step")
@@ -619,6 +621,7 @@ def main():
     ap.add_argument("--lean", action="store_true",
                     help="llama8b: the timed run only (no synchronous pass, no profile)")
     args = ap.parse_args()
+    args.kv_cache_memory = args.kv_cache_memory or ("1GiB" if args.quick else "24GiB")
     if jax.default_backend() != "gpu" and not (args.quick and args.only == ["llama8b"]):
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
     dev = jax.devices()[0]

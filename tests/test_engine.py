@@ -312,10 +312,32 @@ def test_logit_bias_outside_vocab_rejected(tiny_engine_model):
     (dict(max_num_seqs=0), ValueError, "max_num_seqs=0"),
     (dict(max_model_len=4096), ValueError, "exceeds the model's max_position_embeddings=512"),
     (dict(attention_backend="cuda"), ValueError, "unknown attention backend 'cuda'"),
+    (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype='fp8'"),
 ])
 def test_invalid_engine_options(tiny_engine_model, options, exc, match):
     with pytest.raises(exc, match=match):
         LLM(tiny_engine_model, **options)
+
+
+def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_the_same_tokens(tiny_engine_folder):
+    """``kv_cache_dtype="auto"``: a 16-bit model on CPU gets a float32 pool (a scatter into a
+    bfloat16 one rewrites the whole pool: ``kv_cache.resolve_kv_cache_dtype``), sized in
+    float32 bytes, and decodes the tokens of a bfloat16 pool: bf16 K/V are exact in float32
+    and attention computes in float32 either way."""
+    import jax.numpy as jnp
+
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    auto = LLM(tiny_engine_folder, dtype="bfloat16", kv_cache_memory="4MiB", enable_prefix_caching=False)
+    bf16 = LLM(auto.loaded, kv_cache_memory="4MiB", kv_cache_dtype="bfloat16", enable_prefix_caching=False)
+    assert auto.loaded.model.dtype == jnp.bfloat16
+    assert (auto.runner.kv.k.dtype, bf16.runner.kv.k.dtype) == (jnp.float32, jnp.bfloat16)
+    assert auto.bm.num_usable_blocks + 1 == (bf16.bm.num_usable_blocks + 1) // 2  # the null block aside
+    want = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)] == want
+    # The float32 pool holds bfloat16 values (XLA's excess precision would keep more bits).
+    k = np.asarray(auto.runner.kv.k)
+    assert np.count_nonzero(k) and np.array_equal(k, np.asarray(jnp.asarray(k).astype(jnp.bfloat16), np.float32))
 
 
 def test_unknown_model_path(tmp_path):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.attention import AttentionMetadata, paged_attention
-from jaxpaged.kv_cache import (NULL_BLOCK, KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks,
-                               write_kv)
+from jaxpaged.kv_cache import (NULL_BLOCK, KVPool, copy_blocks, gather_blocks, init_kv_pool,
+                               resolve_kv_cache_dtype, scatter_blocks, write_kv)
 
 L, KVH, BS, D = 3, 2, 8, 16
 
@@ -209,6 +209,44 @@ def test_model_step_never_copies_the_pool(backend, num_seqs, num_tokens, width, 
     shape_text = re.escape(f"f32[{','.join(map(str, shape))}]")
     assert not re.findall(rf"= {shape_text}\{{[^}}]*\}} copy\(", hlo), "the compiled step copies the pool"
     assert "input_output_alias" in hlo
+
+
+def test_kv_cache_dtype_auto_is_the_models_but_float32_for_16_bit_on_cpu():
+    assert resolve_kv_cache_dtype("auto", jnp.bfloat16, "cpu") == jnp.float32
+    assert resolve_kv_cache_dtype("auto", jnp.float16, "cpu") == jnp.float32
+    assert resolve_kv_cache_dtype("auto", jnp.float32, "cpu") == jnp.float32
+    for platform in ("gpu", "tpu"):
+        assert resolve_kv_cache_dtype("auto", jnp.bfloat16, platform) == jnp.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", jnp.float32, "cpu") == jnp.bfloat16
+    assert resolve_kv_cache_dtype("float32", jnp.bfloat16, "tpu") == jnp.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        resolve_kv_cache_dtype("int8", jnp.float32, "cpu")
+
+
+def test_a_bfloat16_models_step_over_its_cpu_pool_keeps_temp_memory_flat():
+    """The step of a bfloat16 model over the pool ``kv_cache_dtype="auto"`` gives it on CPU:
+    XLA's temporary memory does not grow with the pool. Over a bfloat16 pool it grows by a
+    float32 copy of the pool, which each layer's K/V write converted and back."""
+    from flax import nnx
+
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.model import Llama
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    graphdef, params = nnx.split(Llama(cfg, dtype=jnp.bfloat16, attention_backend="xla", rngs=nnx.Rngs(0)))
+    pool_dtype = resolve_kv_cache_dtype("auto", jnp.bfloat16, jax.devices()[0].platform)
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(positions=spec(4), slot_mapping=spec(4), block_tables=spec(4, 8), context_lens=spec(4),
+                           query_start_loc=spec(5), decode_only=True)
+    step = jax.jit(lambda p, kv, tokens, md: nnx.merge(graphdef, p)(tokens, kv, md), donate_argnums=1)
+    temp = {}
+    for nb in (64, 1024):
+        pool = jax.ShapeDtypeStruct((cfg.num_layers, nb, cfg.num_kv_heads, 16, cfg.head_dim), pool_dtype)
+        compiled = step.lower(params, KVPool(pool, pool), spec(4), md).compile()
+        temp[nb] = compiled.memory_analysis().temp_size_in_bytes
+    one_layer_growth = (1024 - 64) * cfg.num_kv_heads * 16 * cfg.head_dim * 4
+    assert temp[1024] - temp[64] < one_layer_growth // 4, temp
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
