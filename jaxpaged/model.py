@@ -279,18 +279,14 @@ class Llama(nnx.Module):
             q = apply_rope(q, md.positions, inv_freq)
             k = apply_rope(k, md.positions, inv_freq)
             # In the pool's dtype (float32 K/V under a bfloat16 model on CPU: kv_cache.resolve_kv_cache_dtype).
-            # A wider pool still holds the model's values: XLA may skip rounding to a narrower
-            # dtype that is converted back (excess precision), so the rounding is explicit.
-            if jnp.finfo(kv.k.dtype).bits > jnp.finfo(k.dtype).bits:
-                info = jnp.finfo(k.dtype)
-                k, v = (jax.lax.reduce_precision(t, info.nexp, info.nmant) for t in (k, v))
+            dtype = q.dtype
             q, k, v = (t.astype(kv.k.dtype) for t in (q, k, v))
             if mesh is None:
                 kv = write_kv(kv, layer, k, v, md.slot_mapping)
                 o = paged_attention(q, kv, layer, md, scale=scale, backend=backend)
             else:
                 o, kv = sharding.paged_attention_per_shard(mesh, q, k, v, kv, layer, md, scale=scale, backend=backend)
-            return o.astype(x.dtype), kv
+            return o.astype(dtype), kv
 
         if not self.is_stacked:  # per-layer arrays, the CPU form (see unstacked)
             dot = functools.partial(_cpu_dot, precision=prec)

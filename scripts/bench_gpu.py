@@ -418,6 +418,7 @@ def use_fastest_tiles(rows: list[dict]) -> dict:
     be written into ``default_config`` and ``default_splits``."""
     import math
 
+    from jaxpaged.padding import next_power_of_2
     from jaxpaged.pallas import stacked_matmul as sm
 
     best: dict[tuple[int, int, int], dict] = {}
@@ -442,7 +443,7 @@ def use_fastest_tiles(rows: list[dict]) -> dict:
         if not c:
             return orig_config(T, K, N)
         (bt, bn, bk), warps, stages = c[0], c[1], c[2]
-        fit = max(16, 1 << max(T - 1, 0).bit_length())  # the step's tokens, as a power of two
+        fit = max(16, next_power_of_2(T))  # the step's tokens, as a power of two
         # Decode-sized: one token tile of the step's size, as the default does; otherwise the
         # swept tile, but never taller than the step (a 96-token step in 256-row tiles).
         bt = fit if T <= 64 else min(bt, fit)

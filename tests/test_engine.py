@@ -335,7 +335,7 @@ def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_the_same_tokens(tiny_engin
     assert auto.bm.num_usable_blocks + 1 == (bf16.bm.num_usable_blocks + 1) // 2  # the null block aside
     want = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)] == want
-    # The float32 pool holds bfloat16 values (XLA's excess precision would keep more bits).
+    # The float32 pool holds the model's bfloat16 values, not more precise ones.
     k = np.asarray(auto.runner.kv.k)
     assert np.count_nonzero(k) and np.array_equal(k, np.asarray(jnp.asarray(k).astype(jnp.bfloat16), np.float32))
 
