@@ -133,25 +133,32 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
 
 
 # One-token steps (single-stream decode) split the contraction of the CPU form's
-# projections into this many row blocks of the weight, a batched matrix-vector product.
+# ``[in, out]`` projections into this many row blocks of the weight, a batched
+# matrix-vector product.
 SPLIT_K_ONE_TOKEN = 4
 
+# The CPU form's weight layouts (see choose_cpu_layout).
+CPU_LAYOUTS = ("in_out", "out_in")
 
-def _cpu_dot(x: Float[Array, "T K"], w: Float[Array, "K N"], *, precision) -> Float[Array, "T N"]:
-    """``x @ w`` for the CPU form's ``[in, out]`` weights.
 
-    With one token it is a matrix-vector product, bound by reading ``w``. XLA:CPU splits a
-    plain one's output columns between its threads, so each thread reads part of every
-    row: strided, at ~36 GB/s on the 2-vCPU box whatever the memory does. Splitting the
-    contraction into :data:`SPLIT_K_ONE_TOKEN` blocks of whole rows (a batched product
-    of ``[1, K/s] x [K/s, N]``, then a sum) gives each thread contiguous blocks, and the
-    read follows the memory's bandwidth: the default model's layer matmuls 0.73-0.90x
-    the time (the same process, alternating); ``[out, in]`` weights are nearly as fast at
-    one token (0.91-0.93x) but cost 1.16-1.20x at 48. With more tokens the batched form is
-    slower (2 tokens 1.16-1.33x): a plain dot. The partial sums change float32 rounding
-    (~1e-7 relative): a row's logits alone and in a batch differ in their last bits, as
-    between batch sizes.
+def _cpu_dot(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "N K"], *, out_in: bool = False,
+             precision) -> Float[Array, "T N"]:
+    """``x @ w`` for the CPU form's weights, ``[in, out]`` or (``out_in``) ``[out, in]``.
+
+    With one token and ``[in, out]`` weights it is a matrix-vector product, bound by reading
+    ``w``. XLA:CPU splits a plain one's output columns between its threads, so each thread
+    reads part of every row: strided, at ~36 GB/s on a 2-vCPU AMD EPYC whatever the memory
+    does. Splitting the contraction into :data:`SPLIT_K_ONE_TOKEN` blocks of whole rows (a
+    batched product of ``[1, K/s] x [K/s, N]``, then a sum) gives each thread contiguous
+    blocks, and the read follows the memory's bandwidth: the default model's layer matmuls
+    0.73-0.90x the time (the same process, alternating). With more tokens the batched form
+    is slower (2 tokens 1.16-1.33x): a plain dot. ``[out, in]`` weights take the plain
+    product at every size (their rows are contiguous already). The partial sums change
+    float32 rounding (~1e-7 relative): a row's logits alone and in a batch differ in their
+    last bits, as between batch sizes.
     """
+    if out_in:
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=precision)
     s = SPLIT_K_ONE_TOKEN
     K, N = w.shape
     if x.shape[0] != 1 or K % s:
@@ -180,22 +187,25 @@ class FusedLayer(nnx.Module):
 
     Layer ``i`` of a stacked :class:`DecoderLayer`, copied out (see :meth:`Llama.unstacked`):
     ``wqkv`` ``[D, (N + 2K) * H]`` (the q, k, v columns in that order), ``wo`` ``[N * H, D]``,
-    ``w_gate_up`` ``[D, 2F]`` (the gate's columns first), ``w_down`` ``[F, D]``. Kept
-    ``[in, out]``: ``[out, in]`` read a batch-1 decode step 7% faster but a batch-48 one 8%
-    slower (SmolLM2, XLA:CPU); one-token steps split the contraction instead (:func:`_cpu_dot`).
+    ``w_gate_up`` ``[D, 2F]`` (the gate's columns first), ``w_down`` ``[F, D]``; with
+    ``out_in`` each of the four transposed, ``[out, in]`` (see :func:`choose_cpu_layout`).
     """
 
-    def __init__(self, stacked: DecoderLayer, i: int):
+    def __init__(self, stacked: DecoderLayer, i: int, *, out_in: bool = False):
         def take(name):
             return getattr(stacked, name)[...][i]
 
+        def weight(w):
+            return nnx.Param(w.T if out_in else w)  # w.T is a new row-major array
+
         D = take("input_norm").shape[0]
+        self.out_in = out_in
         self.input_norm = nnx.Param(take("input_norm"))
-        self.wqkv = nnx.Param(jnp.concatenate([take(n).reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1))
-        self.wo = nnx.Param(take("wo").reshape(-1, D))
+        self.wqkv = weight(jnp.concatenate([take(n).reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1))
+        self.wo = weight(take("wo").reshape(-1, D))
         self.post_attn_norm = nnx.Param(take("post_attn_norm"))
-        self.w_gate_up = nnx.Param(jnp.concatenate([take("w_gate"), take("w_up")], axis=1))
-        self.w_down = nnx.Param(take("w_down"))
+        self.w_gate_up = weight(jnp.concatenate([take("w_gate"), take("w_up")], axis=1))
+        self.w_down = weight(take("w_down"))
 
 
 class Llama(nnx.Module):
@@ -229,19 +239,24 @@ class Llama(nnx.Module):
         as loaded), or a list of :class:`FusedLayer` (:meth:`unstacked`)."""
         return isinstance(self.layers, DecoderLayer)
 
-    def unstacked(self) -> Llama:
+    def unstacked(self, layout: str = "in_out") -> Llama:
         """This model with each layer in arrays of its own, q/k/v and gate/up fused (a copy of
         the layers' weights; the rest is shared). The layer loop then picks the layer's
         weights with ``lax.switch`` instead of slicing the stack: under ``lax.scan`` XLA:CPU
         copies every layer's slice before its matmuls (14 MB a layer for SmolLM2, 425 MB a
         step), so a bandwidth-bound batch-1 decode step moved each weight three times (read,
         write, read) instead of once. One device only: tensor parallelism shards the stack.
+        ``layout``: the projections' weights ``"in_out"`` or ``"out_in"`` (transposed; see
+        :func:`choose_cpu_layout`).
         """
         if self.mesh is not None:
             raise ValueError("unstacked(): a model sharded for tensor parallelism keeps its layers stacked")
+        if layout not in CPU_LAYOUTS:
+            raise ValueError(f"unstacked(): layout {layout!r} is not one of {CPU_LAYOUTS}")
         graphdef, state = nnx.split(self)
         model = nnx.merge(graphdef, state)
-        model.layers = nnx.List([FusedLayer(self.layers, i) for i in range(self.cfg.num_layers)])
+        model.layers = nnx.List([FusedLayer(self.layers, i, out_in=layout == "out_in")
+                                 for i in range(self.cfg.num_layers)])
         return model
 
     @property
@@ -289,7 +304,7 @@ class Llama(nnx.Module):
             return o.astype(dtype), kv
 
         if not self.is_stacked:  # per-layer arrays, the CPU form (see unstacked)
-            dot = functools.partial(_cpu_dot, precision=prec)
+            dot = functools.partial(_cpu_dot, out_in=self.layers[0].out_in, precision=prec)
 
             def qkv_proj(p, x):
                 h = rms_norm(x, p.input_norm[...], eps)
@@ -352,13 +367,96 @@ class Llama(nnx.Module):
         return logits.astype(jnp.float32), kv
 
 
-_UNSTACKED: weakref.WeakKeyDictionary[Llama, Llama] = weakref.WeakKeyDictionary()
+_LAYOUT_CHOICES: dict[tuple, str] = {}
+# Timed at these step sizes: single-stream decode, a small and a typical decode batch, a prefill chunk.
+_LAYOUT_TOKENS = (1, 8, 48, 256)
+# Below this many projection parameters a layer, either layout will do: no timing.
+_LAYOUT_MIN_PARAMS = 1 << 20
 
 
-def runtime_form(model: Llama) -> Llama:
+def choose_cpu_layout(cfg: LlamaConfig, dtype, *, reps: int = 5) -> str:
+    """The CPU form's weight layout for this machine, found by timing both (once per process
+    and shape): ``"out_in"`` when it runs a layer's four projections at least 5% faster than
+    ``"in_out"`` in the geometric mean over :data:`_LAYOUT_TOKENS` tokens a step (the two
+    alternating, medians of ``reps``), ``"in_out"`` otherwise; ``"in_out"`` without timing
+    for layers under :data:`_LAYOUT_MIN_PARAMS` projection parameters (test-sized models).
+    ~2 s for the default model.
+
+    Which is faster depends on the CPU, through the library XLA:CPU hands the dot to
+    (YNNPACK; ``[out, in]`` weights make a transposed product of it). The default model's
+    projections, float32, 8 layers' worth alternating in one process: on a 2-vCPU Intel Xeon
+    (Emerald Rapids) ``[out, in]`` takes 0.76-0.97x the time of ``[in, out]`` from 8 to 512
+    tokens (48: 0.81) and the same at one token; on a 2-vCPU AMD EPYC (Zen 4) ``[out, in]``
+    took 1.16-1.20x the time at 48 tokens, and at one token lost to the split contraction
+    of :func:`_cpu_dot`.
+    """
+    shapes = _projection_shapes(cfg)
+    if sum(k * n for k, n in shapes) < _LAYOUT_MIN_PARAMS:
+        return "in_out"
+    key = (shapes, jnp.dtype(dtype).name)
+    if (layout := _LAYOUT_CHOICES.get(key)) is None:
+        times = time_cpu_layouts(shapes, dtype, _LAYOUT_TOKENS, reps)
+        ratios = [times[t]["out_in"] / times[t]["in_out"] for t in _LAYOUT_TOKENS]
+        layout = _LAYOUT_CHOICES[key] = "out_in" if math.prod(ratios) ** (1 / len(ratios)) < 0.95 else "in_out"
+    return layout
+
+
+def _projection_shapes(cfg: LlamaConfig) -> tuple[tuple[int, int], ...]:
+    """``(in, out)`` of wqkv, wo, w_gate_up, w_down."""
+    D, H, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    return ((D, (cfg.num_heads + 2 * cfg.num_kv_heads) * H), (cfg.num_heads * H, D), (D, 2 * F), (F, D))
+
+
+def time_cpu_layouts(shapes, dtype, tokens, reps: int) -> dict[int, dict[str, float]]:
+    """``{tokens: {layout: median seconds}}`` of a chain of layers' projections ``shapes``
+    (``(in, out)`` each) in both CPU layouts, run alternately; random weights, enough layers
+    (>= 64 MiB, 2 to 16 layers) that they are read from memory rather than from the core's cache."""
+    import time
+
+    layer_bytes = sum(k * n for k, n in shapes) * jnp.dtype(dtype).itemsize
+    rng = np.random.default_rng(0)
+    num_layers = min(16, max(2, -(-(64 << 20) // layer_bytes)))
+    weights = [[rng.standard_normal((k, n), dtype=np.float32) for k, n in shapes] for _ in range(num_layers)]
+    forms = {"in_out": [[jnp.asarray(w, dtype) for w in ws] for ws in weights],
+             "out_in": [[jnp.asarray(w.T, dtype) for w in ws] for ws in weights]}
+    del weights
+    prec = dot_precision(dtype)
+
+    def chain(out_in):
+        def run(ws, x):
+            for layer in ws:
+                for w in layer:  # the input cut or padded to this projection's width
+                    k = w.shape[1] if out_in else w.shape[0]
+                    x = x[:, :k] if x.shape[1] >= k else jnp.pad(x, ((0, 0), (0, k - x.shape[1])))
+                    x = 0.5 * _cpu_dot(x, w, out_in=out_in, precision=prec)  # 0.5: values stay bounded
+            return x
+        return jax.jit(run)
+
+    fns = {name: chain(name == "out_in") for name in forms}
+    times = {}
+    for t in tokens:
+        x = jnp.asarray(rng.standard_normal((t, shapes[0][0]), dtype=np.float32), dtype)
+        for name, f in fns.items():
+            jax.block_until_ready(f(forms[name], x))
+        samples = {name: [] for name in fns}
+        for _ in range(reps):
+            for name, f in fns.items():
+                start = time.perf_counter()
+                jax.block_until_ready(f(forms[name], x))
+                samples[name].append(time.perf_counter() - start)
+        times[t] = {name: float(np.median(v)) for name, v in samples.items()}
+    return times
+
+
+_UNSTACKED: weakref.WeakKeyDictionary[Llama, dict[str, Llama]] = weakref.WeakKeyDictionary()
+
+
+def runtime_form(model: Llama, layout: str | None = None) -> Llama:
     """The form the engine runs ``model`` in: :meth:`Llama.unstacked` on one CPU device
-    (made once per model and shared by every engine over it), ``model`` itself elsewhere
-    (GPUs read the stack in place, see :func:`_layer_matmuls`; tensor parallelism shards it).
+    (made once per model and layout, and shared by every engine over it), ``model`` itself
+    elsewhere (GPUs read the stack in place, see :func:`_layer_matmuls`; tensor parallelism
+    shards it). ``layout``: the CPU form's weight layout, ``None`` for this machine's
+    faster (:func:`choose_cpu_layout`).
 
     Measured on SmolLM2 in float32 (2-core AMD EPYC, alternating in one process): single-stream
     decode 43-49 -> 54-56 tok/s, 48 requests x 128 tokens 312-346 -> 346-377 generated tok/s,
@@ -368,6 +466,9 @@ def runtime_form(model: Llama) -> Llama:
         return model
     if model.platform != "cpu":
         return model
-    if (form := _UNSTACKED.get(model)) is None:
-        form = _UNSTACKED[model] = model.unstacked()
+    if layout is None:
+        layout = choose_cpu_layout(model.cfg, model.dtype)
+    forms = _UNSTACKED.setdefault(model, {})
+    if (form := forms.get(layout)) is None:
+        form = forms[layout] = model.unstacked(layout)
     return form

@@ -12,14 +12,16 @@ from paged import dot_precisions, step_metadata
 BS = 4  # small blocks, so sequences span many blocks
 
 
-@pytest.fixture(params=["stacked", "unstacked"])
+@pytest.fixture(params=["stacked", "unstacked", "unstacked_out_in"])
 def form(request):
     return request.param
 
 
 def model_in(lm, form):
-    model = lm.model.unstacked() if form == "unstacked" else lm.model
-    assert model.is_stacked == (form == "stacked")
+    if form == "stacked":
+        return lm.model
+    model = lm.model.unstacked("out_in" if form == "unstacked_out_in" else "in_out")
+    assert not model.is_stacked
     return model
 
 
@@ -83,11 +85,13 @@ def test_one_token_steps_match_hf(tiny_hf, form):
                                    err_msg=f"token {i}")
 
 
+@pytest.mark.parametrize("out_in", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k", [64, 576, 1536, 30])
-def test_cpu_dot_equals_the_plain_product(k, dtype):
-    """One row (split contraction, when ``k`` divides) and several rows (plain) against numpy in
-    float64, at the dtype's precision (bfloat16: the partial sums are added in float32)."""
+def test_cpu_dot_equals_the_plain_product(k, dtype, out_in):
+    """One row (split contraction, when ``k`` divides and the weight is ``[in, out]``) and
+    several rows (plain), either layout, against numpy in float64, at the dtype's precision
+    (bfloat16: the partial sums are added in float32)."""
     import jax
     import jax.numpy as jnp
 
@@ -98,7 +102,7 @@ def test_cpu_dot_equals_the_plain_product(k, dtype):
     w = jnp.asarray(rng.standard_normal((k, 96), dtype=np.float32), dt)
     for rows in (1, 3):
         x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32), dt)
-        got = _cpu_dot(x, w, precision=jax.lax.Precision.HIGHEST)
+        got = _cpu_dot(x, w.T if out_in else w, out_in=out_in, precision=jax.lax.Precision.HIGHEST)
         assert got.dtype == dt
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
@@ -146,19 +150,77 @@ def test_float32_matmuls_ask_for_full_precision(tiny_hf, dtype, form):
         assert kinds.count(None) == model_dots and all(k in (None, highest) for k in kinds), kinds
 
 
-def test_unstacked_layers_are_the_stacked_ones(tiny_hf):
-    """Layer i's fused arrays hold exactly layer i's weights, in q, k, v and gate, up order."""
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_unstacked_layers_are_the_stacked_ones(tiny_hf, layout):
+    """Layer i's fused arrays hold exactly layer i's weights, in q, k, v and gate, up order
+    (``[in, out]``, or transposed for ``"out_in"``)."""
     lm = load_model(tiny_hf[0], dtype=np.float32)
     stack, cfg = lm.model.layers, lm.config
     D = cfg.hidden_size
-    for i, p in enumerate(lm.model.unstacked().layers):
+
+    def laid_out(w):
+        return w.T if layout == "out_in" else w
+
+    for i, p in enumerate(lm.model.unstacked(layout).layers):
+        assert p.out_in == (layout == "out_in")
         q, k, v = (np.asarray(getattr(stack, n)[...][i]).reshape(D, -1) for n in ("wq", "wk", "wv"))
-        np.testing.assert_array_equal(np.asarray(p.wqkv[...]), np.concatenate([q, k, v], axis=1))
+        np.testing.assert_array_equal(np.asarray(p.wqkv[...]), laid_out(np.concatenate([q, k, v], axis=1)))
         gate, up = np.asarray(stack.w_gate[...][i]), np.asarray(stack.w_up[...][i])
-        np.testing.assert_array_equal(np.asarray(p.w_gate_up[...]), np.concatenate([gate, up], axis=1))
-        np.testing.assert_array_equal(np.asarray(p.wo[...]), np.asarray(stack.wo[...][i]).reshape(-1, D))
-        np.testing.assert_array_equal(np.asarray(p.w_down[...]), np.asarray(stack.w_down[...][i]))
+        np.testing.assert_array_equal(np.asarray(p.w_gate_up[...]), laid_out(np.concatenate([gate, up], axis=1)))
+        np.testing.assert_array_equal(np.asarray(p.wo[...]), laid_out(np.asarray(stack.wo[...][i]).reshape(-1, D)))
+        np.testing.assert_array_equal(np.asarray(p.w_down[...]), laid_out(np.asarray(stack.w_down[...][i])))
         np.testing.assert_array_equal(np.asarray(p.input_norm[...]), np.asarray(stack.input_norm[...][i]))
+    with pytest.raises(ValueError, match="layout 'row_major' is not one of"):
+        lm.model.unstacked("row_major")
+
+
+def test_cpu_layout_is_chosen_by_timing_once(monkeypatch):
+    """``choose_cpu_layout``: test-sized layers take ``"in_out"`` untimed; bigger ones take
+    ``"out_in"`` only when it is >= 5% faster in the geometric mean over the timed step sizes,
+    and the choice is timed once per process and shape."""
+    import jax.numpy as jnp
+
+    from jaxpaged import model as model_mod
+    from jaxpaged.config import LlamaConfig
+
+    calls = []
+    speed = {}
+
+    def fake_times(shapes, dtype, tokens, reps):
+        calls.append(shapes)
+        return {t: {"in_out": 1.0, "out_in": speed[t]} for t in tokens}
+
+    monkeypatch.setattr(model_mod, "time_cpu_layouts", fake_times)
+    monkeypatch.setattr(model_mod, "_LAYOUT_CHOICES", {})
+    tiny = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+    assert model_mod.choose_cpu_layout(tiny, jnp.float32) == "in_out" and not calls
+    tokens = model_mod._LAYOUT_TOKENS
+    cases = [  # (out_in / in_out per step size, choice)
+        ([0.5] * len(tokens), "out_in"),
+        ([1.0] * (len(tokens) - 1) + [0.7], "out_in"),  # geometric mean 0.915
+        ([0.96] * len(tokens), "in_out"),  # faster, but not by 5%
+        ([0.7] + [1.3] * (len(tokens) - 1), "in_out"),
+    ]
+    for i, (ratios, want) in enumerate(cases):
+        speed.update(zip(tokens, ratios))
+        cfg = LlamaConfig(vocab_size=128, hidden_size=512 + 64 * i, intermediate_size=2048, num_layers=2,
+                          num_heads=8, num_kv_heads=2, head_dim=64)
+        assert model_mod.choose_cpu_layout(cfg, jnp.float32) == want, ratios
+        assert model_mod.choose_cpu_layout(cfg, jnp.float32) == want
+        assert len(calls) == i + 1  # the second call used the first one's choice
+
+
+def test_cpu_layout_timing_runs_both_layouts():
+    """The timing behind ``choose_cpu_layout`` itself, on small shapes: a positive time per
+    layout and step size."""
+    import jax.numpy as jnp
+
+    from jaxpaged.model import time_cpu_layouts
+
+    times = time_cpu_layouts(((64, 96), (32, 64), (64, 128), (64, 64)), jnp.float32, (1, 5), reps=2)
+    assert set(times) == {1, 5}
+    assert all(set(t) == {"in_out", "out_in"} and min(t.values()) > 0 for t in times.values())
 
 
 @pytest.mark.cpu_host
