@@ -592,8 +592,11 @@ def main(argv=None) -> dict:
                    enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, **kw)
 
     llm = engine()
+    form = llm.loaded.model
+    layout = "" if form.is_stacked else f", CPU weights {'[out, in]' if form.layers[0].out_in else '[in, out]'}"
     print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {llm.block_size}, max_num_seqs {args.max_num_seqs}, "
-          f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}", flush=True)
+          f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}{layout}",
+          flush=True)
     report: dict = {"machine": machine_info(), "args": vars(args), "workload": ws, "model": vars(cost)}
 
     def params_for(i: int) -> SamplingParams:  # seeded per request: a rerun draws the same tokens
