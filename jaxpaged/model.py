@@ -386,9 +386,10 @@ def choose_cpu_layout(cfg: LlamaConfig, dtype, *, reps: int = 5) -> str:
     (YNNPACK; ``[out, in]`` weights make a transposed product of it). The default model's
     projections, float32, 8 layers' worth alternating in one process: on a 2-vCPU Intel Xeon
     (Emerald Rapids) ``[out, in]`` takes 0.76-0.97x the time of ``[in, out]`` from 8 to 512
-    tokens (48: 0.81) and the same at one token; on a 2-vCPU AMD EPYC (Zen 4) ``[out, in]``
-    took 1.16-1.20x the time at 48 tokens, and at one token lost to the split contraction
-    of :func:`_cpu_dot`.
+    tokens (48: 0.81) and 1.0-1.16x at one token (the engine there: 48 requests x 128 tokens
+    1.08-1.14x faster, single-stream decode 5-10% slower); on a 2-vCPU AMD EPYC (Zen 4)
+    ``[out, in]`` took 1.16-1.20x the time at 48 tokens, and at one token lost to the split
+    contraction of :func:`_cpu_dot`.
     """
     shapes = _projection_shapes(cfg)
     if sum(k * n for k, n in shapes) < _LAYOUT_MIN_PARAMS:
@@ -410,12 +411,12 @@ def _projection_shapes(cfg: LlamaConfig) -> tuple[tuple[int, int], ...]:
 def time_cpu_layouts(shapes, dtype, tokens, reps: int) -> dict[int, dict[str, float]]:
     """``{tokens: {layout: median seconds}}`` of a chain of layers' projections ``shapes``
     (``(in, out)`` each) in both CPU layouts, run alternately; random weights, enough layers
-    (>= 64 MiB, 2 to 16 layers) that they are read from memory rather than from the core's cache."""
+    (>= 64 MiB, at most 16 layers) that they are read from memory rather than from the core's cache."""
     import time
 
     layer_bytes = sum(k * n for k, n in shapes) * jnp.dtype(dtype).itemsize
     rng = np.random.default_rng(0)
-    num_layers = min(16, max(2, -(-(64 << 20) // layer_bytes)))
+    num_layers = min(16, -(-(64 << 20) // layer_bytes))  # one for layers of >= 64 MiB
     weights = [[rng.standard_normal((k, n), dtype=np.float32) for k, n in shapes] for _ in range(num_layers)]
     forms = {"in_out": [[jnp.asarray(w, dtype) for w in ws] for ws in weights],
              "out_in": [[jnp.asarray(w.T, dtype) for w in ws] for ws in weights]}

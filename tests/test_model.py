@@ -238,3 +238,24 @@ def test_engines_over_one_cpu_model_share_its_unstacked_form(tiny_hf):
     assert shard_model(a.loaded.model, 1) is a.loaded.model
     with pytest.raises(ValueError, match="unstacked for one CPU device"):
         shard_model(a.loaded.model, 2)
+
+
+@pytest.mark.cpu_host
+def test_engine_gives_the_same_tokens_in_either_cpu_layout(tiny_hf, monkeypatch):
+    """An engine takes the layout ``choose_cpu_layout`` picks for this machine; both give the
+    same greedy tokens (the layouts differ in float32 rounding only), and engines over one
+    model share one copy of each form."""
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged import model as model_mod
+
+    lm = load_model(tiny_hf[0], dtype=np.float32)
+    prompts = [np.random.default_rng(i).integers(0, lm.config.vocab_size, 5 + 3 * i).tolist() for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for layout in model_mod.CPU_LAYOUTS:
+        monkeypatch.setattr(model_mod, "choose_cpu_layout", lambda cfg, dtype, layout=layout: layout)
+        llm = LLM(lm, num_blocks=32)
+        assert llm.loaded.model.layers[0].out_in == (layout == "out_in")
+        assert LLM(lm, num_blocks=32).loaded.model is llm.loaded.model
+        tokens[layout] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["in_out"] == tokens["out_in"]
