@@ -380,14 +380,14 @@ def choose_cpu_layout(cfg: LlamaConfig, dtype, *, reps: int = 5) -> str:
     ``"in_out"`` in the geometric mean over :data:`_LAYOUT_TOKENS` tokens a step (the two
     alternating, medians of ``reps``), ``"in_out"`` otherwise; ``"in_out"`` without timing
     for layers under :data:`_LAYOUT_MIN_PARAMS` projection parameters (test-sized models).
-    ~2 s for the default model.
+    ~2-3 s for the default model.
 
     Which is faster depends on the CPU, through the library XLA:CPU hands the dot to
     (YNNPACK; ``[out, in]`` weights make a transposed product of it). The default model's
     projections, float32, 8 layers' worth alternating in one process: on a 2-vCPU Intel Xeon
     (Emerald Rapids) ``[out, in]`` takes 0.76-0.97x the time of ``[in, out]`` from 8 to 512
     tokens (48: 0.81) and 1.0-1.16x at one token (the engine there: 48 requests x 128 tokens
-    1.08-1.14x faster, single-stream decode 5-10% slower); on a 2-vCPU AMD EPYC (Zen 4)
+    1.08-1.16x faster, single-stream decode 5-10% slower); on a 2-vCPU AMD EPYC (Zen 4)
     ``[out, in]`` took 1.16-1.20x the time at 48 tokens, and at one token lost to the split
     contraction of :func:`_cpu_dot`.
     """
