@@ -51,6 +51,7 @@ import bench_kernels
 from bench_common import new_figure, random_params, save_figure, save_json
 from bench_kernels import contiguous_cache, contiguous_dense
 
+from jaxpaged.padding import next_power_of_2
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
 from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
@@ -352,56 +353,71 @@ def by_batch_table(timeline, records) -> list[dict]:
     return rows
 
 
-def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> list[dict]:
+def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, budget_s: float = float("inf"),
+                 quick: bool = False) -> list[dict]:
     """The stacked-weight matmul against XLA's slice-then-matmul for Llama-3-8B's projections
     as the model calls them (q/k/v and gate/up grouped, one launch each), by tokens per
     step: the default (split-K from ``default_splits``) and, where it splits, the unsplit
     kernel; with ``sweep``, other tiles, warps, stages and split factors too (for few
-    tokens: narrow deep tiles and splits; for more: Hopper-sized tiles and 8 warps)."""
-    from jaxpaged.pallas.stacked_matmul import grouped_config, grouped_stacked_matmul
+    tokens: narrow deep tiles and splits; for more: Hopper-sized tiles and 8 warps, each in
+    both launch orders). Token counts are swept in the order given until ``budget_s`` has
+    passed; the rest get the default and XLA only. ``quick``: small shapes, in the Pallas
+    interpreter off a GPU (the code path only)."""
+    from jaxpaged.pallas.stacked_matmul import MatmulConfig, grouped_config, grouped_stacked_matmul
 
     print("\n## Stacked matmul vs XLA (x @ w[layer] of [3, K, N] stacks), Llama-3-8B projections, bf16")
     shapes = (("q/k/v", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate/up", 4096, (14336, 14336)),
               ("down", 14336, (4096,)))
+    if quick:
+        shapes = (("q/k/v", 256, (256, 64, 64)), ("down", 512, (256,)))
+    interpret = jax.default_backend() != "gpu"
+    kernel = functools.partial(grouped_stacked_matmul, interpret=interpret)
     layer = jax.device_put(jnp.int32(1))
     xla = jax.jit(lambda x, ws, l: tuple(x @ jax.lax.dynamic_index_in_dim(w, l, keepdims=False) for w in ws))
-    rows = []
+    rows, deadline = [], time.perf_counter() + budget_s
     for T in tokens:
+        full = sweep and time.perf_counter() < deadline
+        if sweep and not full:
+            print(f"  T={T}: sweep budget ({budget_s:.0f} s) spent, default tiles only")
         for name, K, widths in shapes:
             x = jax.random.normal(jax.random.key(0), (T, K), jnp.bfloat16)
             ws = tuple((jax.random.normal(jax.random.key(1 + i), (3, K, n), jnp.float32) / 64).astype(jnp.bfloat16)
                        for i, n in enumerate(widths))
             want = [np.asarray(o, np.float32) for o in xla(x, ws, layer)]
             N, gcd = sum(widths), int(np.gcd.reduce(widths))
-            blocks, nw, ns, splits = config = grouped_config(T, K, widths)
-            cands = [("xla", xla, None), (f"default {blocks} w{nw} s{ns} split{splits}", jax.jit(
-                functools.partial(grouped_stacked_matmul, interpret=False)), config)]
+            config = grouped_config(T, K, widths)
+            (bt, bn, bk), nw, ns, splits, tf = config
+            cands = [("xla", xla, None), (f"default {config.blocks} w{nw} s{ns} split{splits}{' tf' if tf else ''}",
+                                          jax.jit(kernel), config)]
             if splits > 1:
-                cands.append(("default unsplit", jax.jit(functools.partial(grouped_stacked_matmul, interpret=False,
-                                                                           splits=1)), (blocks, nw, ns, 1)))
-            if sweep:  # (block_t, block_n, block_k, warps, stages, splits)
-                t = max(16, T)
+                cands.append(("default unsplit", jax.jit(functools.partial(kernel, splits=1)),
+                              config._replace(splits=1)))
+            if full:  # (block_t, block_n, block_k, warps, stages, splits), in both launch orders past one tile
+                t = max(16, next_power_of_2(T))
                 grid = (((t, 32, 128, 4, 4, 1), (t, 64, 256, 4, 3, 1), (t, 64, 128, 4, 3, 2), (t, 64, 128, 4, 3, 8),
                          (t, 128, 128, 4, 3, 4), (t, 128, 64, 4, 4, 2), (t, 64, 64, 4, 5, 4), (t, 32, 256, 4, 3, 2),
                          (t, 256, 64, 8, 3, 2)) if T <= 64 else
-                        ((128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (128, 128, 128, 8, 3, 1),
-                         (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 64, 128, 8, 4, 1),
-                         (256, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 2)))
-                for bt, bn, bk, nw, ns, sp in grid:
-                    if gcd % bn == 0 and K % (sp * bk) == 0:
-                        cands.append((f"t{bt} n{bn} k{bk} w{nw} s{ns} split{sp}", jax.jit(functools.partial(
-                            grouped_stacked_matmul, blocks=(bt, bn, bk), interpret=False, num_warps=nw,
-                            num_stages=ns, splits=sp)), ((bt, bn, bk), nw, ns, sp)))
+                        ((128, 128, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1),
+                         (128, 128, 128, 8, 3, 1), (128, 64, 128, 8, 4, 1), (256, 128, 64, 8, 3, 1),
+                         (64, 128, 64, 4, 4, 1)))
+                for bt_, bn_, bk_, nw_, ns_, sp in grid:
+                    if gcd % bn_ or K % (sp * bk_) or bt_ > t:
+                        continue
+                    for tf_ in ((False,) if T <= bt_ else (False, True)):
+                        cfg = MatmulConfig((bt_, bn_, bk_), nw_, ns_, sp, tf_)
+                        cands.append((f"t{bt_} n{bn_} k{bk_} w{nw_} s{ns_} split{sp}{' tf' if tf_ else ''}",
+                                      jax.jit(functools.partial(kernel, **cfg._asdict())), cfg))
             line = []
             for label, f, cfg in cands:
                 try:
                     err = max(float(np.max(np.abs(np.asarray(o, np.float32) - w)))
                               for o, w in zip(f(x, ws, layer), want))
-                    us = per_call(f, x, ws, layer) * 1e6
+                    us = per_call(f, x, ws, layer, n=2 if interpret else 20, rounds=1 if interpret else 5) * 1e6
                 except Exception as e:  # a tile Triton refuses (shared memory)
                     print(f"    T={T} {name} {label}: {type(e).__name__} {str(e)[:60]}")
                     continue
-                rows.append({"T": T, "shape": name, "K": K, "N": N, "impl": label, "cfg": cfg, "us": us,
+                rows.append({"T": T, "shape": name, "K": K, "N": N, "impl": label,
+                             "cfg": None if cfg is None else cfg._asdict(), "us": us,
                              "tflops": 2 * T * K * N / us / 1e6, "weight_tb_s": K * N * 2 / us / 1e6,
                              "max_err": err})
                 line.append(f"{label} {us:.0f}us ({err:.0e})")
@@ -409,16 +425,16 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False) -> 
     return rows
 
 
-def use_fastest_tiles(rows: list[dict]) -> dict:
+def use_fastest_tiles(rows: list[dict]):
     """Make the sweep's fastest kernel configuration per (tokens, K, N) the stacked matmul's
     default for the rest of this process (the llama8b run after it), so one device call
     measures the engine with tuned tiles; a step's token count takes the nearest swept one
     on a log scale, within its regime (decode-sized <= 64, where the token tile follows
-    the step's size, or not). Prints the choices, to
-    be written into ``default_config`` and ``default_splits``."""
+    the step's size, or not). Prints the choices, to be written into ``default_config``,
+    ``default_splits`` and ``default_tokens_fastest``. Returns them and a function that
+    restores the defaults."""
     import math
 
-    from jaxpaged.padding import next_power_of_2
     from jaxpaged.pallas import stacked_matmul as sm
 
     best: dict[tuple[int, int, int], dict] = {}
@@ -426,10 +442,15 @@ def use_fastest_tiles(rows: list[dict]) -> dict:
         key = (r["T"], r["K"], r["N"])
         if r["cfg"] is not None and r["max_err"] < 0.1 and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
+    saved = sm.default_config, sm.default_splits, sm.default_tokens_fastest
+
+    def restore():
+        sm.default_config, sm.default_splits, sm.default_tokens_fastest = saved
+
     if not best:
-        return {}
+        return {}, restore
     swept = sorted({T for T, _, _ in best})
-    orig_config, orig_splits = sm.default_config, sm.default_splits
+    orig_config, orig_splits, orig_tf = saved
 
     def pick(T, K, N):
         near = [s for s in swept if (s <= 64) == (T <= 64)]
@@ -442,22 +463,26 @@ def use_fastest_tiles(rows: list[dict]) -> dict:
         c = pick(T, K, N)
         if not c:
             return orig_config(T, K, N)
-        (bt, bn, bk), warps, stages = c[0], c[1], c[2]
+        bt, bn, bk = c["blocks"]
         fit = max(16, next_power_of_2(T))  # the step's tokens, as a power of two
         # Decode-sized: one token tile of the step's size, as the default does; otherwise the
         # swept tile, but never taller than the step (a 96-token step in 256-row tiles).
         bt = fit if T <= 64 else min(bt, fit)
-        return (bt, bn, bk), warps, stages
+        return (bt, bn, bk), c["num_warps"], c["num_stages"]
 
     def splits(T, K, N, blocks):
         c = pick(T, K, N)
-        return c[3] if c else orig_splits(T, K, N, blocks)
+        return c["splits"] if c else orig_splits(T, K, N, blocks)
 
-    sm.default_config, sm.default_splits = config, splits
+    def tokens_fastest(T, K, N, blocks):
+        c = pick(T, K, N)
+        return c["tokens_fastest"] if c else orig_tf(T, K, N, blocks)
+
+    sm.default_config, sm.default_splits, sm.default_tokens_fastest = config, splits, tokens_fastest
     print("fastest kernel per (tokens, K, N), now the default in this process:")
     for (T, K, N), r in sorted(best.items()):
         print(f"    T={T:>4} {r['shape']:<8} {r['impl']:<40} {r['us']:>7.1f} us  cfg {r['cfg']}")
-    return {f"{T},{K},{N}": r["cfg"] for (T, K, N), r in best.items()}
+    return {f"{T},{K},{N}": r["cfg"] for (T, K, N), r in best.items()}, restore
 
 
 def llama8b_table(args, bw: float, rates: dict) -> dict:
@@ -615,15 +640,19 @@ def main():
     ap.add_argument("--engine-backends", default="pallas,xla", help="comma-separated attention backends")
     ap.add_argument("--matmul-tokens", default="16,64,256,512,1024,2048", help="matmul: tokens per step")
     ap.add_argument("--matmul-sweep", action="store_true", help="matmul: other tiles and split factors too")
+    ap.add_argument("--matmul-budget-s", type=float, default=float("inf"),
+                    help="matmul: stop sweeping new token counts after this many seconds")
     ap.add_argument("--use-fastest-tiles", action="store_true",
                     help="matmul: the fastest configuration found becomes the default for llama8b after it")
+    ap.add_argument("--ab-baseline", action="store_true",
+                    help="with --use-fastest-tiles: run llama8b again afterwards with the default tiles, same process")
     ap.add_argument("--no-split-k", action="store_true", help="stacked_matmul never splits K (the old kernel)")
     ap.add_argument("--no-grouped", action="store_true", help="one launch per projection (no q/k/v, gate/up groups)")
     ap.add_argument("--lean", action="store_true",
                     help="llama8b: the timed run only (no synchronous pass, no profile)")
     args = ap.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or ("1GiB" if args.quick else "24GiB")
-    if jax.default_backend() != "gpu" and not (args.quick and args.only == ["llama8b"]):
+    if jax.default_backend() != "gpu" and not (args.quick and set(args.only or ()) <= {"llama8b", "matmul"}):
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
     dev = jax.devices()[0]
     if args.no_split_k:
@@ -658,12 +687,26 @@ def main():
         prefill_table()
     if "engine" in only:
         engine_table(args.quick, tuple(args.engine_backends.split(",")))
+    restore_tiles = None
     if "matmul" in only:
-        report["matmul"] = matmul_table(tuple(int(t) for t in args.matmul_tokens.split(",")), args.matmul_sweep)
+        report["matmul"] = matmul_table(tuple(int(t) for t in args.matmul_tokens.split(",")), args.matmul_sweep,
+                                        args.matmul_budget_s, args.quick)
         if args.use_fastest_tiles:
-            report["tuned_tiles"] = use_fastest_tiles(report["matmul"])
+            report["tuned_tiles"], restore_tiles = use_fastest_tiles(report["matmul"])
     if "llama8b" in only:
         report["llama8b"] = llama8b_table(args, bw, rates)
+        if args.ab_baseline and restore_tiles is not None:
+            import gc
+
+            restore_tiles()
+            jax.clear_caches()  # the step traced with the tuned tiles: trace it again
+            gc.collect()
+            live = sum(a.nbytes for a in jax.live_arrays()) / 2**30
+            print(f"\n# A/B baseline: the default tiles, same process ({live:.2f} GiB still live on the device)")
+            report["llama8b_default_tiles"] = base = llama8b_table(args, bw, rates)
+            tuned = report["llama8b"]
+            print(f"tuned / default tiles: output tok/s {tuned['gen_tok_s']:.0f} / {base['gen_tok_s']:.0f} = "
+                  f"{tuned['gen_tok_s'] / base['gen_tok_s']:.3f}x")
     name = "bench_gpu_quick" if args.quick else "bench_gpu"
     save_json(f"{name}.json", report)
     if "decode" in report or "block_size" in report:

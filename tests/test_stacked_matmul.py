@@ -27,9 +27,10 @@ def case(seed, T, K, N, L=3, dtype=jnp.float32):
     (16, 128, 256, (16, 128, 64)),
 ])
 @pytest.mark.parametrize("layer", [0, 2])
-def test_matches_the_layer_matmul_float32(T, K, N, blocks, layer):
+@pytest.mark.parametrize("tokens_fastest", [False, True], ids=["columns-fastest", "tokens-fastest"])
+def test_matches_the_layer_matmul_float32(T, K, N, blocks, layer, tokens_fastest):
     x, w = case(T * 7 + layer, T, K, N)
-    got = stacked_matmul(x, w, jnp.int32(layer), blocks=blocks, interpret=True)
+    got = stacked_matmul(x, w, jnp.int32(layer), blocks=blocks, interpret=True, tokens_fastest=tokens_fastest)
     want = jnp.einsum("TK,KN->TN", x, w[layer], precision=jax.lax.Precision.HIGHEST)
     assert got.shape == (T, N) and got.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
@@ -40,9 +41,11 @@ def test_matches_the_layer_matmul_float32(T, K, N, blocks, layer):
     (33, 512, 64, (16, 32, 64), 4),  # T over two tiles; four quarters of K
     (16, 1024, 256, (16, 64, 128), 8),
 ])
-def test_split_k_matches_the_layer_matmul(T, K, N, blocks, splits):
+@pytest.mark.parametrize("tokens_fastest", [False, True], ids=["columns-fastest", "tokens-fastest"])
+def test_split_k_matches_the_layer_matmul(T, K, N, blocks, splits, tokens_fastest):
     x, w = case(T + splits, T, K, N)
-    got = stacked_matmul(x, w, jnp.int32(2), blocks=blocks, splits=splits, interpret=True)
+    got = stacked_matmul(x, w, jnp.int32(2), blocks=blocks, splits=splits, interpret=True,
+                         tokens_fastest=tokens_fastest)
     want = jnp.einsum("TK,KN->TN", x, w[2], precision=jax.lax.Precision.HIGHEST)
     assert got.shape == (T, N) and got.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
@@ -54,12 +57,15 @@ def test_split_k_matches_the_layer_matmul(T, K, N, blocks, splits):
     (20, (64, 32, 32), (16, 32, 16), 1),  # q, k, v-like: one launch, each tile from its own stack
     (7, (48, 48), None, 1),  # gate, up-like, default tiles
     (16, (128, 64, 64), (16, 32, 32), 2),  # with split-K partials
+    (40, (64, 32, 32), (16, 32, 16), 2),  # three token tiles, split-K partials
 ])
-def test_grouped_matches_each_layer_matmul(T, widths, blocks, splits):
+@pytest.mark.parametrize("tokens_fastest", [False, True], ids=["columns-fastest", "tokens-fastest"])
+def test_grouped_matches_each_layer_matmul(T, widths, blocks, splits, tokens_fastest):
     K = 64
     x, _ = case(T, T, K, 1)
     ws = [case(T + i + 1, 1, K, n)[1] for i, n in enumerate(widths)]
-    got = grouped_stacked_matmul(x, tuple(ws), jnp.int32(1), blocks=blocks, splits=splits, interpret=True)
+    got = grouped_stacked_matmul(x, tuple(ws), jnp.int32(1), blocks=blocks, splits=splits, interpret=True,
+                                 tokens_fastest=tokens_fastest)
     assert len(got) == len(widths)
     for g, w in zip(got, ws):
         want = jnp.einsum("TK,KN->TN", x, w[1], precision=jax.lax.Precision.HIGHEST)
@@ -136,6 +142,11 @@ def test_lowers_to_triton(dtype):
         f = functools.partial(grouped_stacked_matmul, interpret=False)
         text = jax.jit(f).trace(x[:16], (wq, w, w), jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
     assert "stacked_matmul_t16_n64_k128_g3_s2" in text
+    with abstract_gpu():  # the token tiles of a column side by side, grouped, split: a grid Triton accepts
+        f = functools.partial(grouped_stacked_matmul, blocks=(64, 64, 128), splits=2, tokens_fastest=True,
+                              interpret=False)
+        text = jax.jit(f).trace(x, (wq, w, w), jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stacked_matmul_t64_n64_k128_g3_s2_tf" in text
 
 
 def test_supports_only_shapes_triton_can_tile():

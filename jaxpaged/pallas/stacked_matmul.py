@@ -7,9 +7,13 @@ a layer) that is 9.7 ms of a 24.6 ms decode step on an H100 (``scripts/bench_gpu
 every step. This kernel takes the whole stack and the layer index, as the paged-attention
 kernels take the whole pool, and reads the layer's tiles where they lie.
 
-Grid ``(N / block_n, T / block_t, splits)``, the token tiles inside the output columns, so
-the programs that run side by side read the same ``[K, block_n]`` weight column (L2 hits)
-and each weight byte leaves HBM about once. Tiles per shape: :func:`default_config`
+Grid ``(N / block_n, T / block_t, splits)``: a launch runs its programs with the first grid
+axis varying fastest, so by default the programs that run side by side take different
+output columns of one token tile, and a weight column is read again for each token tile
+(from L2 if it is still there). ``tokens_fastest`` launches ``(T / block_t, N / block_n,
+splits)`` instead: the token tiles of one weight column run side by side, each weight byte
+leaves HBM about once and the activations (a few MB) stay in L2; it matters only for steps
+of several token tiles (:func:`default_tokens_fastest`). Tiles per shape: :func:`default_config`
 (measured on an H100: 1.6-2.5 TB/s of weights, 2-3x faster than XLA's slice-then-matmul).
 A program walks K (or its split's share, :func:`default_splits`) in ``block_k`` steps,
 accumulating ``[block_t, block_n]`` in float32 (Triton pipelines the loop's loads over
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +54,10 @@ def _kernel(
     block_k: int,
     k_per_split: int,
     tile_starts: tuple[int, ...],  # first output tile of each weight, then the total
+    n_axis: int,  # the grid axis of the output column tiles (0, or 1 with the token tiles first)
 ):
     *w_refs, o_ref = refs
-    j = pl.program_id(0)
+    j = pl.program_id(n_axis)
     k_start = pl.program_id(2) * k_per_split
     block_t = x_ref.shape[0]
     block_n = o_ref.shape[-1]
@@ -133,6 +139,13 @@ def default_splits(T: int, K: int, N: int, blocks: tuple[int, int, int]) -> int:
     return s
 
 
+def default_tokens_fastest(T: int, K: int, N: int, blocks: tuple[int, int, int]) -> bool:
+    """Whether ``[T, K] x [K, N]`` with ``blocks`` launches its token tiles fastest (see the
+    module's docstring). Off until measured on a GPU (``bench_gpu.py --only matmul
+    --matmul-sweep`` times both orders)."""
+    return False
+
+
 def supports(K: int, N: int) -> bool:
     """Whether Triton can tile ``[T, K] x [K, N]`` here: :func:`default_config` finds tiles of at
     least 16 (a power of two) that divide K and N. Otherwise callers keep XLA's matmul."""
@@ -149,6 +162,7 @@ def stacked_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     splits: int | None = None,
+    tokens_fastest: bool | None = None,
 ) -> Float[Array, "T N"]:
     """``x @ w[layer]`` without materialising ``w[layer]``.
 
@@ -165,9 +179,11 @@ def stacked_matmul(
         each program's sequential walk over K (~50 us for any N at 16 tokens on an H100),
         not by bandwidth. Default: :func:`default_splits` (1 in the interpreter, where
         splitting only adds work).
+      tokens_fastest: launch the token tiles of an output column side by side rather than
+        the output columns of a token tile. Default: :func:`default_tokens_fastest`.
     """
     return grouped_stacked_matmul(x, (w,), layer, blocks=blocks, interpret=interpret, num_warps=num_warps,
-                                  num_stages=num_stages, splits=splits)[0]
+                                  num_stages=num_stages, splits=splits, tokens_fastest=tokens_fastest)[0]
 
 
 def grouped_stacked_matmul(
@@ -180,6 +196,7 @@ def grouped_stacked_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     splits: int | None = None,
+    tokens_fastest: bool | None = None,
 ) -> tuple[Float[Array, "T _"], ...]:
     """``tuple(x @ w[layer] for w in ws)`` in one launch: the products of one input with
     several stacks (a layer's q, k and v; gate and up), as one matmul over their
@@ -196,27 +213,39 @@ def grouped_stacked_matmul(
         if x.dtype != w.dtype:
             raise ValueError(f"stacked_matmul: x is {x.dtype}, w is {w.dtype}; expected one dtype")
     interpret = common.default_interpret() if interpret is None else interpret
-    auto_blocks, warps, stages, auto_splits = grouped_config(*x.shape, tuple(w.shape[2] for w in ws),
-                                                             blocks=blocks, interpret=interpret)
-    return _stacked_matmul(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), blocks=blocks or auto_blocks,
-                           interpret=interpret, num_warps=num_warps or warps, num_stages=num_stages or stages,
-                           splits=auto_splits if splits is None else splits)
+    auto = grouped_config(*x.shape, tuple(w.shape[2] for w in ws), blocks=blocks, interpret=interpret)
+    return _stacked_matmul(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), blocks=auto.blocks,
+                           interpret=interpret, num_warps=num_warps or auto.num_warps,
+                           num_stages=num_stages or auto.num_stages,
+                           splits=auto.splits if splits is None else splits,
+                           tokens_fastest=auto.tokens_fastest if tokens_fastest is None else tokens_fastest)
+
+
+class MatmulConfig(NamedTuple):
+    """How one stacked matmul launches: tiles ``(block_t, block_n, block_k)``, Triton's
+    warps and pipeline stages, split-K factor, launch order."""
+    blocks: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+    splits: int
+    tokens_fastest: bool
 
 
 def grouped_config(T: int, K: int, widths: tuple[int, ...], *, blocks: tuple[int, int, int] | None = None,
-                   interpret: bool = False) -> tuple[tuple[int, int, int], int, int, int]:
-    """``(blocks, num_warps, num_stages, splits)`` that :func:`grouped_stacked_matmul` runs
-    ``[T, K]`` against stacks of these output widths with by default: :func:`default_config`
-    for the summed width, ``block_n`` narrowed to divide every width, and
-    :func:`default_splits` (``blocks`` given: the splits for those; 1 in the interpreter)."""
+                   interpret: bool = False) -> MatmulConfig:
+    """The configuration :func:`grouped_stacked_matmul` runs ``[T, K]`` against stacks of
+    these output widths with by default: :func:`default_config` for the summed width,
+    ``block_n`` narrowed to divide every width, :func:`default_splits` (``blocks`` given:
+    the splits for those; 1 in the interpreter) and :func:`default_tokens_fastest`."""
     (bt, bn, bk), warps, stages = default_config(T, K, sum(widths))
     blocks = blocks or (bt, _largest_power_of_2_dividing(math.gcd(*widths), bn), bk)
     splits = 1 if interpret or not SPLIT_K else default_splits(T, K, sum(widths), blocks)
-    return blocks, warps, stages, splits
+    return MatmulConfig(blocks, warps, stages, splits, default_tokens_fastest(T, K, sum(widths), blocks))
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "num_warps", "num_stages", "splits"))
-def _stacked_matmul(x, ws, layer, *, blocks, interpret, num_warps, num_stages, splits):
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "num_warps", "num_stages", "splits",
+                                             "tokens_fastest"))
+def _stacked_matmul(x, ws, layer, *, blocks, interpret, num_warps, num_stages, splits, tokens_fastest):
     T, K = x.shape
     widths = [w.shape[2] for w in ws]
     N = sum(widths)
@@ -230,19 +259,25 @@ def _stacked_matmul(x, ws, layer, *, blocks, interpret, num_warps, num_stages, s
             raise ValueError(f"stacked_matmul: {name}={b} must be a power of two >= 16 on GPU")
     Tp = pl.cdiv(T, bt) * bt
     xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
+    # Index maps take (column tile j, token tile i, split s) whatever the launch order.
+    if tokens_fastest:
+        grid, order = (Tp // bt, N // bn, splits), (lambda f: lambda i, j, s: f(j, i, s))
+    else:
+        grid, order = (N // bn, Tp // bt, splits), (lambda f: f)
     if splits == 1:  # the output directly, in the activations' dtype
         out_shape = jax.ShapeDtypeStruct((Tp, N), x.dtype)
-        out_spec = pl.BlockSpec((bt, bn), lambda j, i, s: (i, j))
+        out_spec = pl.BlockSpec((bt, bn), order(lambda j, i, s: (i, j)))
     else:  # float32 partial sums per split, added below
         out_shape = jax.ShapeDtypeStruct((splits, Tp, N), jnp.float32)
-        out_spec = pl.BlockSpec((None, bt, bn), lambda j, i, s: (s, i, j))
+        out_spec = pl.BlockSpec((None, bt, bn), order(lambda j, i, s: (s, i, j)))
     tile_starts = tuple(int(t) for t in np.cumsum([0, *widths]) // bn)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, k_per_split=K // splits, tile_starts=tile_starts),
-        grid=(N // bn, Tp // bt, splits),
+        functools.partial(_kernel, block_k=bk, k_per_split=K // splits, tile_starts=tile_starts,
+                          n_axis=1 if tokens_fastest else 0),
+        grid=grid,
         in_specs=[
             pl.BlockSpec(),  # layer
-            pl.BlockSpec((bt, K), lambda j, i, s: (i, 0)),  # x
+            pl.BlockSpec((bt, K), order(lambda j, i, s: (i, 0))),  # x
             *(pl.BlockSpec() for _ in ws),  # the whole stacks
         ],
         out_specs=out_spec,
@@ -250,7 +285,7 @@ def _stacked_matmul(x, ws, layer, *, blocks, interpret, num_warps, num_stages, s
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"stacked_matmul_t{bt}_n{bn}_k{bk}" + (f"_g{len(ws)}" if len(ws) > 1 else "")
-        + (f"_s{splits}" if splits > 1 else ""),
+        + (f"_s{splits}" if splits > 1 else "") + ("_tf" if tokens_fastest else ""),
     )(layer, xp, *ws)
     if splits > 1:
         out = out.sum(axis=0).astype(x.dtype)
