@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.compat import abstract_gpu
-from jaxpaged.pallas.stacked_matmul import (TARGET_PROGRAMS, default_config, default_splits, grouped_stacked_matmul,
-                                            stacked_matmul, supports)
+from jaxpaged.pallas.stacked_matmul import (TARGET_PROGRAMS, WAVE_PROGRAMS, default_config, default_splits,
+                                            default_tokens_fastest, grouped_stacked_matmul, stacked_matmul, supports)
 
 
 def case(seed, T, K, N, L=3, dtype=jnp.float32):
@@ -87,11 +87,28 @@ def test_matches_the_layer_matmul_bfloat16_and_traced_layer():
 
 
 def test_default_config_tiles_are_powers_of_two_that_divide():
-    assert default_config(256, 4096, 14336) == ((128, 128, 64), 4, 3)  # Llama-3-8B gate/up
-    assert default_config(256, 14336, 4096) == ((128, 64, 128), 8, 4)  # down
+    assert default_config(256, 4096, 14336) == ((128, 128, 64), 8, 3)  # Llama-3-8B gate alone: 224 programs
+    assert default_config(256, 4096, 28672) == ((128, 256, 64), 8, 3)  # gate/up grouped
+    assert default_config(256, 14336, 4096) == ((128, 64, 128), 8, 4)  # down: 128 programs only 64 wide
+    assert default_config(512, 14336, 4096) == ((128, 128, 128), 8, 3)
+    assert default_config(1024, 14336, 4096) == ((128, 256, 64), 8, 3)
     assert default_config(64, 4096, 14336) == ((64, 64, 128), 4, 3)
     assert default_config(3, 576, 192) == ((16, 64, 64), 4, 3)  # SmolLM2: K = 576 = 9 x 64
     assert default_config(32, 1536, 576) == ((32, 64, 128), 4, 3)
+    for T in (65, 128, 200, 256, 512, 720, 1024):
+        for K, N in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (576, 192), (576, 3072)):
+            (bt, bn, bk), warps, stages = default_config(T, K, N)
+            assert all(b >= 16 and b & (b - 1) == 0 for b in (bt, bn, bk)) and N % bn == 0 and K % bk == 0
+            assert bt == 128 and warps == 8
+            # widest tiles that keep about a wave of programs, down to 64 wide
+            assert bn == 64 or (N // bn) * -(-T // bt) >= WAVE_PROGRAMS, (T, K, N, bn)
+
+
+def test_token_tiles_launch_first_when_there_are_several():
+    assert not default_tokens_fastest(128, 4096, 28672, (128, 256, 64))
+    assert not default_tokens_fastest(16, 4096, 4096, (16, 64, 128))
+    assert default_tokens_fastest(129, 4096, 28672, (128, 256, 64))
+    assert default_tokens_fastest(1024, 14336, 4096, (128, 256, 64))
 
 
 def test_default_splits_fill_the_gpu_for_few_tokens_and_narrow_outputs():
@@ -128,7 +145,7 @@ def test_lowers_to_triton(dtype):
     f = functools.partial(stacked_matmul, interpret=False)
     with abstract_gpu():
         text = jax.jit(f).trace(x, w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text and "stacked_matmul_t128_n64_k128" in text
+    assert "__gpu$xla.gpu.triton" in text and "stacked_matmul_t128_n64_k128_tf" in text  # two token tiles
     with abstract_gpu():  # split-K: one kernel writing float32 partials, summed by XLA
         f = functools.partial(stacked_matmul, blocks=(16, 64, 128), splits=4, interpret=False)
         text = jax.jit(f).trace(x[:16], w, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()

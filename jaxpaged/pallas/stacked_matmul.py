@@ -14,7 +14,8 @@ output columns of one token tile, and a weight column is read again for each tok
 splits)`` instead: the token tiles of one weight column run side by side, each weight byte
 leaves HBM about once and the activations (a few MB) stay in L2; it matters only for steps
 of several token tiles (:func:`default_tokens_fastest`). Tiles per shape: :func:`default_config`
-(measured on an H100: 1.6-2.5 TB/s of weights, 2-3x faster than XLA's slice-then-matmul).
+(measured on an H100: 1.6-2.5 TB/s of weights for decode steps, 2-3x faster than XLA's
+slice-then-matmul; 510-600 TFLOP/s for Llama-3-8B's layer at 512-1,024 tokens).
 A program walks K (or its split's share, :func:`default_splits`) in ``block_k`` steps,
 accumulating ``[block_t, block_n]`` in float32 (Triton pipelines the loop's loads over
 ``num_stages``). :func:`grouped_stacked_matmul` runs several stacks of one input in one
@@ -22,9 +23,10 @@ launch (q, k and v; gate and up), each program picking the stack of its output t
 Used for steps of at most ``model.STACKED_MAX_TOKENS`` (1,024) tokens: decode steps and the
 mixed decode + prefill-chunk steps of continuous batching, for all seven projections (q, k,
 v, o as free reshapes of their stacks). Bigger prefill steps keep XLA's matmul: there the
-copy is paid once for thousands of tokens and cuBLAS outruns this kernel (measured on an
-H100, ``scripts/bench_gpu.py --only matmul``: a layer's projections 957 vs 1,045 us at
-1,024 tokens, 1,729 vs 1,589 us at 2,048).
+copy is paid once for thousands of tokens and cuBLAS caught up with the columns-first
+launch (measured on an H100, ``scripts/bench_gpu.py --only matmul``: a layer's
+projections 957 vs 1,045 us at 1,024 tokens, 1,729 vs 1,589 us at 2,048; with the token
+tiles first and today's tiles, 747 vs 991 us at 1,024, and 2,048 not yet measured).
 
 On CPU the kernel runs in the Pallas interpreter (tests only).
 """
@@ -88,22 +90,37 @@ def _largest_power_of_2_dividing(n: int, cap: int) -> int:
     return b
 
 
+# Programs a launch of several token tiles should have: about one wave over a Hopper
+# GPU's 132 multiprocessors (default_config widens block_n only while it keeps them).
+WAVE_PROGRAMS = 128
+
+
 def default_config(T: int, K: int, N: int) -> tuple[tuple[int, int, int], int, int]:
     """``((block_t, block_n, block_k), num_warps, num_stages)`` for ``[T, K] x [K, N]``.
 
-    Tiles are powers of two >= 16 (Triton's dot) that divide N and K. From a sweep on an
-    H100 (bf16, Llama-3-8B's MLP; ``x @ w[layer]`` sliced by XLA: 138-144 us each):
-    T <= 64 runs best as one token tile with narrow, deep tiles (64 x 4096 x 14336: 47 us,
-    2.5 TB/s of weights); at T = 256, 128-token tiles, 128 x 64 for gate/up (62 us) and,
-    where K > N (down: K = 14336), 64 x 128 with 8 warps and 4 stages (71 us).
+    Tiles are powers of two >= 16 (Triton's dot) that divide N and K. T <= 64 runs best as
+    one token tile with narrow, deep tiles (an H100, Llama-3-8B's MLP at 64 tokens: 47 us,
+    2.5 TB/s of weights); split-K (:func:`default_splits`) fills the GPU there.
+
+    Past 64 tokens: 128-token tiles, 8 warps, and the widest ``block_n`` of 256, 128 and 64
+    that still gives :data:`WAVE_PROGRAMS` programs (wide tiles reuse each loaded weight
+    tile over more outputs; too few programs leave multiprocessors idle); ``block_k`` 64
+    beside 256-wide tiles, 128 beside 64-wide ones and where K > N (``down``). From a
+    sweep on an H100 (``bench_gpu.py --only matmul --matmul-sweep``, Llama-3-8B's grouped
+    projections, both launch orders): at 256, 512 and 1,024 tokens a layer's four launches
+    take 305 / 448 / 747 us with this rule's tiles, within 1-2% of the fastest swept tiles
+    per projection (301 / 439 / 736; no one projection more than 15% off), against
+    374 / 582 / 1,128 us with the tiles used before (4 warps and 128 x 64 everywhere but
+    ``down``, launched columns-first) and 991 us for XLA's slice-then-matmul at 1,024.
     """
     bt = min(128, max(16, common.next_power_of_2(T)))
     if bt <= 64:
         bn, bk, warps, stages = 64, 128, 4, 3
-    elif K > N:
-        bn, bk, warps, stages = 64, 128, 8, 4
     else:
-        bn, bk, warps, stages = 128, 64, 4, 3
+        token_tiles = -(-T // bt)
+        bn = next((b for b in (256, 128) if (N // b) * token_tiles >= WAVE_PROGRAMS), 64)
+        bk = 64 if bn == 256 else 128 if bn == 64 or K > N else 64
+        warps, stages = 8, 4 if bn == 64 else 3
     return (bt, _largest_power_of_2_dividing(N, bn), _largest_power_of_2_dividing(K, bk)), warps, stages
 
 
@@ -141,9 +158,12 @@ def default_splits(T: int, K: int, N: int, blocks: tuple[int, int, int]) -> int:
 
 def default_tokens_fastest(T: int, K: int, N: int, blocks: tuple[int, int, int]) -> bool:
     """Whether ``[T, K] x [K, N]`` with ``blocks`` launches its token tiles fastest (see the
-    module's docstring). Off until measured on a GPU (``bench_gpu.py --only matmul
-    --matmul-sweep`` times both orders)."""
-    return False
+    module's docstring): whenever there is more than one. Measured on an H100 (Llama-3-8B's
+    gate/up, 128 x 256 x 64 tiles, 8 warps): 134 vs 183 us at 256 tokens, 230 vs 340 at
+    512, 399 vs 629 at 1,024, where XLA's slice-then-matmul takes 512 (its 235 MB of weights
+    no longer leave HBM once per token tile); the narrow projections, whose weights mostly
+    fit in L2, move either way by a few us."""
+    return -(-T // blocks[0]) > 1
 
 
 def supports(K: int, N: int) -> bool:
