@@ -15,7 +15,7 @@ splits)`` instead: the token tiles of one weight column run side by side, each w
 leaves HBM about once and the activations (a few MB) stay in L2; it matters only for steps
 of several token tiles (:func:`default_tokens_fastest`). Tiles per shape: :func:`default_config`
 (measured on an H100: 1.6-2.5 TB/s of weights for decode steps, 2-3x faster than XLA's
-slice-then-matmul; 510-600 TFLOP/s for Llama-3-8B's layer at 512-1,024 tokens).
+slice-then-matmul; about 500-600 TFLOP/s for Llama-3-8B's layer at 512-1,024 tokens).
 A program walks K (or its split's share, :func:`default_splits`) in ``block_k`` steps,
 accumulating ``[block_t, block_n]`` in float32 (Triton pipelines the loop's loads over
 ``num_stages``). :func:`grouped_stacked_matmul` runs several stacks of one input in one
