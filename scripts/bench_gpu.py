@@ -23,8 +23,10 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    ``--use-fastest-tiles`` makes the fastest the default for a llama8b run after it).
 7. ``--only llama8b``: Llama-3-8B shapes on a ShareGPT-like workload against vLLM's
    figure: throughput, where the wall time goes by batch size, device time per step (a
-   synchronous pass), a profile. ``--lean`` times the run alone; ``--no-split-k``,
-   ``--no-grouped`` and ``JAXPAGED_COMMAND_BUFFERS=0`` measure the engine without each.
+   synchronous pass) and by tokens per step, a profile. ``--lean`` times the run alone;
+   ``--no-split-k``, ``--no-grouped`` and ``JAXPAGED_COMMAND_BUFFERS=0`` measure the engine
+   without each, ``--stacked-max-tokens`` with another bound on the stacked matmul, and
+   ``--ab-baseline`` (after ``--use-fastest-tiles``) again with the default tiles.
 
 Timings: a call is dispatched ``n`` times back to back and the device drained once, so
 host dispatch overlaps device work; the median of 5 such rounds after a warm-up. Writes
@@ -353,6 +355,25 @@ def by_batch_table(timeline, records) -> list[dict]:
     return rows
 
 
+TOKEN_BUCKETS = ((1, 64), (65, 256), (257, 512), (513, 1024), (1025, 2048), (2049, 1 << 20))
+
+
+def by_tokens_table(timeline) -> list[dict]:
+    """The timed run's steps by tokens per step (which matmul regime they take: decode-sized
+    tiles up to 64, the stacked kernel up to ``model.STACKED_MAX_TOKENS``, XLA's matmul past
+    it): steps, wall seconds (the step period) and ms per step."""
+    period = [(tok, t1 - t0) for (_, tok, t0), (_, _, t1) in zip(timeline, timeline[1:])]
+    rows = []
+    print("by tokens per step: steps, wall s, ms per step (period)")
+    for lo, hi in TOKEN_BUCKETS:
+        sel = [dt for tok, dt in period if lo <= tok <= hi]
+        if sel:
+            rows.append({"tokens": f"{lo}-{hi}", "steps": len(sel), "wall_s": sum(sel),
+                         "ms_per_step": 1e3 * sum(sel) / len(sel)})
+            print(f"    {rows[-1]['tokens']:>11}  {len(sel):>5}  {sum(sel):>6.1f} s  {rows[-1]['ms_per_step']:>6.2f} ms")
+    return rows
+
+
 def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, budget_s: float = float("inf"),
                  quick: bool = False) -> list[dict]:
     """The stacked-weight matmul against XLA's slice-then-matmul for Llama-3-8B's projections
@@ -396,7 +417,8 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, bud
                 t = max(16, next_power_of_2(T))
                 grid = (((t, 32, 128, 4, 4, 1), (t, 64, 256, 4, 3, 1), (t, 64, 128, 4, 3, 2), (t, 64, 128, 4, 3, 8),
                          (t, 128, 128, 4, 3, 4), (t, 128, 64, 4, 4, 2), (t, 64, 64, 4, 5, 4), (t, 32, 256, 4, 3, 2),
-                         (t, 256, 64, 8, 3, 2)) if T <= 64 else
+                         (t, 256, 64, 8, 3, 2), (t, 128, 64, 4, 6, 2), (t, 256, 32, 4, 6, 4), (t, 512, 32, 8, 4, 2),
+                         (t, 128, 128, 8, 4, 2)) if T <= 64 else
                         ((128, 128, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1),
                          (128, 128, 128, 8, 3, 1), (128, 64, 128, 8, 4, 1), (256, 128, 64, 8, 3, 1),
                          (64, 128, 64, 4, 4, 1)))
@@ -429,8 +451,8 @@ def use_fastest_tiles(rows: list[dict]):
     """Make the sweep's fastest kernel configuration per (tokens, K, N) the stacked matmul's
     default for the rest of this process (the llama8b run after it), so one device call
     measures the engine with tuned tiles; a step's token count takes the nearest swept one
-    on a log scale, within its regime (decode-sized <= 64, where the token tile follows
-    the step's size, or not). Prints the choices, to be written into ``default_config``,
+    within 1.5x (any swept one for decode-sized steps <= 64, where the token tile follows
+    the step's size), else the defaults. Prints the choices, to be written into ``default_config``,
     ``default_splits`` and ``default_tokens_fastest``. Returns them and a function that
     restores the defaults."""
     import math
@@ -452,8 +474,10 @@ def use_fastest_tiles(rows: list[dict]):
     swept = sorted({T for T, _, _ in best})
     orig_config, orig_splits, orig_tf = saved
 
-    def pick(T, K, N):
-        near = [s for s in swept if (s <= 64) == (T <= 64)]
+    def pick(T, K, N):  # the nearest swept token count within 1.5x, in the same regime
+        near = [s for s in swept if (s <= 64) == (T <= 64) and abs(math.log2(s / max(T, 1))) <= math.log2(1.5)]
+        if T <= 64:  # decode-sized steps run as one token tile: any swept one stands for all
+            near = [s for s in swept if s <= 64]
         if not near:
             return None
         r = best.get((min(near, key=lambda s: abs(math.log2(s / max(T, 1)))), K, N))
@@ -610,6 +634,7 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
               f"{np.median(pre_mfu) / 1e12:.0f} TFLOP/s = {np.median(pre_mfu) / H100_BF16_DENSE_FLOPS:.0%} MFU "
               f"(of 989 dense bf16), {np.median(pre_mfu) / peak:.0%} of the 8192^3 matmul rate measured now")
     row["by_batch"] = by_batch_table(timeline, records)
+    row["by_tokens"] = by_tokens_table(timeline)
     if args.lean:
         return row
     # A profile of the same slice (prefill, decode, mixed steps).
@@ -648,6 +673,8 @@ def main():
                     help="with --use-fastest-tiles: run llama8b again afterwards with the default tiles, same process")
     ap.add_argument("--no-split-k", action="store_true", help="stacked_matmul never splits K (the old kernel)")
     ap.add_argument("--no-grouped", action="store_true", help="one launch per projection (no q/k/v, gate/up groups)")
+    ap.add_argument("--stacked-max-tokens", type=int,
+                    help="steps of at most this many tokens use the stacked matmul (model.STACKED_MAX_TOKENS)")
     ap.add_argument("--lean", action="store_true",
                     help="llama8b: the timed run only (no synchronous pass, no profile)")
     args = ap.parse_args()
@@ -661,9 +688,13 @@ def main():
     if args.no_grouped:
         from jaxpaged import model
         model.GROUPED_PROJECTIONS = False
+    if args.stacked_max_tokens is not None:
+        from jaxpaged import model
+        model.STACKED_MAX_TOKENS = args.stacked_max_tokens
     print(f"# bench_gpu  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  jax {jax.__version__}  "
           f"{dev.device_kind}  {os.cpu_count()} CPUs  split-K {'off' if args.no_split_k else 'auto'}  "
-          f"grouped {'off' if args.no_grouped else 'on'}  "
+          f"grouped {'off' if args.no_grouped else 'on'}  stacked max tokens "
+          f"{args.stacked_max_tokens or 'default'}  "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.default_backend() == "gpu":
         copy_bw, bw, rates = ceilings()

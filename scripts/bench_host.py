@@ -79,10 +79,8 @@ def device_only(lm: LoadedModel, batch_size: int, context: int, repeats: int = 5
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.kv_cache import init_kv_pool
     from jaxpaged.model import runtime_form
-    from jaxpaged.runner import _HashedOnce, _forward
+    from jaxpaged.runner import _forward, split_model
     from jaxpaged.sampler import build_sampling_metadata, sample
-
-    from flax import nnx
 
     bs = 16
     width = -(-(context + 1) // bs)
@@ -92,15 +90,14 @@ def device_only(lm: LoadedModel, batch_size: int, context: int, repeats: int = 5
     md = AttentionMetadata(positions=pos, slot_mapping=tables[:, -1] * bs + context % bs, block_tables=tables,
                            context_lens=pos + 1, query_start_loc=np.arange(batch_size + 1, dtype=np.int32),
                            decode_only=True)
-    graphdef, params = nnx.split(runtime_form(lm.model))  # the form an engine runs
-    graphdef = _HashedOnce(graphdef)
+    structure, params = split_model(runtime_form(lm.model))  # the form an engine runs
     sm, _, _ = build_sampling_metadata([], batch_size, CFG.vocab_size, ())
     tokens = np.arange(batch_size, dtype=np.int32)
     sample_fn = jax.jit(lambda logits, sm: sample(logits, sm, num_logprobs=0, use_penalties=False).tokens)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        logits, kv = _forward(graphdef, params, kv, tokens, md, np.arange(batch_size, dtype=np.int32))
+        logits, kv = _forward(structure, params, kv, tokens, md, np.arange(batch_size, dtype=np.int32))
         sample_fn(logits, sm).block_until_ready()
         times.append(time.perf_counter() - t)
     return float(np.median(times[5:])) * 1e3

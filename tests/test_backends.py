@@ -168,11 +168,12 @@ def abstract(tree):
 
 def step_args(decode: bool, *, backend="auto", cfg=TINY, dtype=jnp.float32):
     """Abstract arguments of ``runner._forward`` for a tiny Llama: 3 sequences."""
-    graphdef, params = nnx.split(Llama(cfg, dtype=dtype, attention_backend=backend, rngs=nnx.Rngs(0)))
+    structure, params = jaxpaged.runner.split_model(Llama(cfg, dtype=dtype, attention_backend=backend,
+                                                           rngs=nnx.Rngs(0)))
     pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, BS, cfg.head_dim), dtype)
     q, _, _, md = attention_args(decode)
     T, S = q.shape[0], md.context_lens.shape[0]
-    return jaxpaged.runner._HashedOnce(graphdef), abstract(params), KVPool(pool, pool), i32((T,)), md, i32((S,))
+    return structure, abstract(params), KVPool(pool, pool), i32((T,)), md, i32((S,))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

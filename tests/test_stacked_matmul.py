@@ -178,8 +178,8 @@ def _model_step(cfg, kv, tokens, md, logits_indices):
     from jaxpaged import runner
     from jaxpaged.model import Llama
 
-    graphdef, params = nnx.split(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)))
-    args = (runner._HashedOnce(graphdef), params, kv, tokens, md, logits_indices)
+    args = (*runner.split_model(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0))), kv, tokens, md,
+            logits_indices)
     with abstract_gpu():
         cuda = runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return cuda, args

@@ -185,7 +185,7 @@ def per_device_bytes(arrays, device):
 
 def test_weights_and_pool_split_evenly(engines):
     llm = engines[4][0]
-    params, kv = llm.runner.params, llm.runner.kv
+    params, kv = llm.runner.param_state(), llm.runner.kv
     got = jax.tree.map(lambda a: a.sharding.spec, nnx.to_pure_dict(params))
     assert got == sharding.param_specs(llm.config, 4)
     total_w = sum(a.nbytes for a in jax.tree.leaves(params))
@@ -257,13 +257,13 @@ def test_tp3_step_lowers_to_the_platforms_kernel_per_shard(decode):
     cfg = LlamaConfig(vocab_size=384, hidden_size=96, intermediate_size=192, num_layers=2, num_heads=9,
                       num_kv_heads=3, head_dim=64)
     model = shard_model(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)), 3)
-    graphdef, params = nnx.split(model)
+    structure, params = jaxpaged.runner.split_model(model)
     params = jax.tree.map(_abstract, params)
     NB, block_size = 32, 16  # Mosaic takes whole sublane tiles (8 rows); BS = 4 is not
     pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, block_size, cfg.head_dim), np.float32,
                                 sharding=sharding.pool_sharding(model.mesh))
     q, _, _, md = attention_args(decode)
-    args = (jaxpaged.runner._HashedOnce(graphdef), params, KVPool(pool, pool), i32(q.shape[:1]), md,
+    args = (structure, params, KVPool(pool, pool), i32(q.shape[:1]), md,
             i32(md.context_lens.shape))
     # Not compat.abstract_gpu: its one-device abstract mesh would clash with the "tp" mesh.
     lowered = {p: jaxpaged.runner._forward.trace(*args).lower(lowering_platforms=(p,)).as_text()
