@@ -108,8 +108,8 @@ def default_config(T: int, K: int, N: int) -> tuple[tuple[int, int, int], int, i
     beside 256-wide tiles, 128 beside 64-wide ones and where K > N (``down``). From a
     sweep on an H100 (``bench_gpu.py --only matmul --matmul-sweep``, Llama-3-8B's grouped
     projections, both launch orders): at 256, 512 and 1,024 tokens a layer's four launches
-    take 305 / 448 / 747 us with this rule's tiles, within 1-2% of the fastest swept tiles
-    per projection (301 / 439 / 736; no one projection more than 15% off), against
+    take 305 / 448 / 747 us with this rule's tiles, within 1-2% of the layer made of each
+    projection's fastest swept tiles (301 / 438 / 736; no projection more than 15% off), against
     374 / 582 / 1,128 us with the tiles used before (4 warps and 128 x 64 everywhere but
     ``down``, launched columns-first) and 991 us for XLA's slice-then-matmul at 1,024.
     """
