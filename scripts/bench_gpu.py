@@ -492,10 +492,9 @@ def use_fastest_tiles(rows: list[dict]):
     swept = sorted({T for T, _, _ in best})
     orig_config, orig_splits, orig_tf = saved
 
-    def pick(T, K, N):  # the nearest swept token count within 1.5x, in the same regime
-        near = [s for s in swept if (s <= 64) == (T <= 64) and abs(math.log2(s / max(T, 1))) <= math.log2(1.5)]
-        if T <= 64:  # decode-sized steps run as one token tile: any swept one stands for all
-            near = [s for s in swept if s <= 64]
+    def pick(T, K, N):  # the nearest swept token count: any decode-sized one (one token tile), else within 1.5x
+        near = ([s for s in swept if s <= 64] if T <= 64 else
+                [s for s in swept if s > 64 and abs(math.log2(s / T)) <= math.log2(1.5)])
         if not near:
             return None
         r = best.get((min(near, key=lambda s: abs(math.log2(s / max(T, 1)))), K, N))
