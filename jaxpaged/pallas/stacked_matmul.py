@@ -195,10 +195,9 @@ def stacked_matmul(
       num_warps, num_stages: Triton compiler knobs; default from :func:`default_config`.
       splits: split-K: ``splits`` programs per output tile each sum ``K / splits`` of the
         products into float32 partials, added up afterwards. For few tokens and narrow
-        outputs (Llama-3-8B's k/v: 16 output tiles of 64) the unsplit kernel is bound by
-        each program's sequential walk over K (~50 us for any N at 16 tokens on an H100),
-        not by bandwidth. Default: :func:`default_splits` (1 in the interpreter, where
-        splitting only adds work).
+        outputs the unsplit kernel has few programs (Llama-3-8B's k/v: 16 output tiles of
+        64 for 132 multiprocessors), each walking all of K in sequence. Default:
+        :func:`default_splits` (1 in the interpreter, where splitting only adds work).
       tokens_fastest: launch the token tiles of an output column side by side rather than
         the output columns of a token tile. Default: :func:`default_tokens_fastest`.
     """
