@@ -59,11 +59,6 @@ class _HashedOnce:
         return isinstance(other, _HashedOnce) and (self.value is other.value or self.value == other.value)
 
 
-# The step is two jitted calls, the model and the sampler, so their compiled shapes add up
-# instead of multiplying: the model compiles per (tokens, sequences, block-table width,
-# logits rows), the sampler per (rows, sampling options). One fused jit compiled every
-# product of the two (133 shapes for 180 requests of random traffic, ~0.7 s each on CPU).
-# The logits stay on the device between the two; the pool is donated to the model.
 def split_model(model: Llama) -> tuple[_HashedOnce, tuple[jax.Array, ...]]:
     """``model`` as :func:`_forward` takes it: its structure (static, hashed once) and its
     arrays as a flat tuple. A tuple of arrays takes jit's C++ fast path; the nnx state
@@ -74,6 +69,11 @@ def split_model(model: Llama) -> tuple[_HashedOnce, tuple[jax.Array, ...]]:
     return _HashedOnce((graphdef, treedef)), tuple(leaves)
 
 
+# The step is two jitted calls, the model and the sampler, so their compiled shapes add up
+# instead of multiplying: the model compiles per (tokens, sequences, block-table width,
+# logits rows), the sampler per (rows, sampling options). One fused jit compiled every
+# product of the two (133 shapes for 180 requests of random traffic, ~0.7 s each on CPU).
+# The logits stay on the device between the two; the pool is donated to the model.
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _forward(structure: _HashedOnce, params: tuple[jax.Array, ...], kv: KVPool, tokens, md: AttentionMetadata,
              logits_indices):
