@@ -109,7 +109,7 @@ def default_config(T: int, K: int, N: int) -> tuple[tuple[int, int, int], int, i
     sweep on an H100 (``bench_gpu.py --only matmul --matmul-sweep``, Llama-3-8B's grouped
     projections, both launch orders): at 256, 512 and 1,024 tokens a layer's four launches
     take 305 / 448 / 747 us with this rule's tiles, within 1-2% of the layer made of each
-    projection's fastest swept tiles (301 / 438 / 736; no projection more than 15% off), against
+    projection's fastest swept tiles (301 / 438 / 736; no projection more than 16% off), against
     374 / 582 / 1,128 us with the tiles used before (4 warps and 128 x 64 everywhere but
     ``down``, launched columns-first) and 991 us for XLA's slice-then-matmul at 1,024.
     """
@@ -161,8 +161,9 @@ def default_tokens_fastest(T: int, K: int, N: int, blocks: tuple[int, int, int])
     module's docstring): whenever there is more than one. Measured on an H100 (Llama-3-8B's
     gate/up, 128 x 256 x 64 tiles, 8 warps): 134 vs 183 us at 256 tokens, 230 vs 340 at
     512, 399 vs 629 at 1,024, where XLA's slice-then-matmul takes 512 (its 235 MB of weights
-    no longer leave HBM once per token tile); the narrow projections, whose weights mostly
-    fit in L2, move either way by a few us."""
+    no longer leave HBM once per token tile). The narrow projections (q/k/v, o), whose
+    weights mostly fit in L2, went either way by tile (-24 to +31 us at 256-512 tokens, in
+    times near the host's per-call dispatch), so the rule is the wide ones'."""
     return -(-T // blocks[0]) > 1
 
 
