@@ -42,7 +42,9 @@ class LLM:
       model: a Hugging Face folder, a ``.gguf`` file, an already loaded
         :class:`~jaxpaged.loader.LoadedModel`, or None for the embedded default
         (SmolLM2-135M-Instruct).
-      dtype: parameter and activation dtype; default float32 on CPU, bfloat16 elsewhere.
+      dtype: parameter and activation dtype; default float32 on CPU, bfloat16 elsewhere. On CPU a
+        16-bit model keeps float32 activations and multiplies in 16 bits with float32 sums
+        (bfloat16: fast on CPUs with AMX or AVX512-BF16 for batches, slower for one sequence).
       block_size: tokens per KV block (a power of two); default 64 where attention runs in XLA
         ops (CPU), 16 for the Pallas kernels (see :func:`~jaxpaged.engine_args.default_block_size`).
       num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).

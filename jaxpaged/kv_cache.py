@@ -52,9 +52,10 @@ def resolve_kv_cache_dtype(requested: str, model_dtype, platform: str):
 
     XLA:CPU upcasts a scatter into a 16-bit float array, operand and all: each layer's K/V
     write into a bfloat16 pool converted the whole pool to float32 and back (a 1 GiB pool:
-    0.8 s a write; a float32 pool: 20 us). A 16-bit model's K/V are exact in float32 and the
-    XLA attention path computes in float32 whatever the pool holds, so the tokens are the
-    same; a float32 pool holds half as many tokens per byte.
+    0.8 s a write; a float32 pool: 20 us). On CPU a 16-bit model's activations, K and V
+    included, are float32 anyway (``model._cpu_dot_16bit``), and the XLA attention path
+    computes in float32 whatever the pool holds; a float32 pool holds half as many tokens
+    per byte.
     """
     check_kv_cache_dtype(requested)
     if requested != "auto":

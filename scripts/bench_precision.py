@@ -9,9 +9,10 @@ One process, both precisions of the same GGUF:
    float32's greedy tokens, and where the first one diverges.
 2. Speed, alternating float32 / bfloat16 twice after a warm-up: one request's decode rate
    and a batch's generated tokens per second.
-3. bf16 *weights* with float32 arithmetic (half the weight bytes, converted at use): the
-   default model's MLP, 30 layers under ``lax.scan``, at batch 1 and 64, against float32
-   weights.
+
+On CPU a bfloat16 model keeps its activations in float32 and multiplies in bfloat16 with
+float32 sums (``model._cpu_dot_16bit``): fast where the CPU has AMX or AVX512-BF16, through
+XLA:CPU's YNNPACK.
 
     python scripts/bench_precision.py            # ~5 min on 2 cores
     python scripts/bench_precision.py --quick
@@ -22,11 +23,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from bench_common import machine_header
 from jaxpaged import LLM, SamplingParams
+from llama_cpp_peer import cpu_flags
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -104,46 +105,14 @@ def speed(llms: dict[str, LLM], batch: int, new_tokens: int, single_tokens: int)
         print(f"{k:<10}{' / '.join(f'{b:.0f}' for b, _ in r):>20}{' / '.join(f'{s:.1f}' for _, s in r):>24}")
 
 
-def weights_probe() -> None:
-    L, D, F = 30, 576, 1536  # the default model's layers, hidden and MLP widths
-
-    def mlp_ms(wdt, B: int) -> float:
-        k1, k2 = jax.random.split(jax.random.key(0))
-        w_in = (0.02 * jax.random.normal(k1, (L, D, F))).astype(wdt)
-        w_out = (0.02 * jax.random.normal(k2, (L, F, D))).astype(wdt)
-
-        @jax.jit
-        def f(x, w_in, w_out):
-            def layer(x, w):
-                h = jnp.dot(x, w[0].astype(jnp.float32), precision="highest")
-                return x + jnp.dot(jax.nn.silu(h), w[1].astype(jnp.float32), precision="highest"), None
-            return jax.lax.scan(layer, x, (w_in, w_out))[0]
-
-        x = jnp.ones((B, D), jnp.float32)
-        f(x, w_in, w_out).block_until_ready()
-        ts = []
-        for _ in range(20):
-            t = time.perf_counter()
-            f(x, w_in, w_out).block_until_ready()
-            ts.append(time.perf_counter() - t)
-        return 1e3 * float(np.median(ts))
-
-    print(f"\n## bf16 weights, float32 arithmetic: the MLP of {L} layers ({D} -> {F} -> {D}) under lax.scan, "
-          "ms per call (median of 20), alternating")
-    for B in (1, 64):
-        runs = [(mlp_ms(jnp.float32, B), mlp_ms(jnp.bfloat16, B)) for _ in range(2)]
-        print(f"batch {B:>3}: float32 weights " + " / ".join(f"{a:.1f}" for a, _ in runs)
-              + ", bf16 weights " + " / ".join(f"{b:.1f}" for _, b in runs))
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    print(machine_header(), "| CPU flags:", cpu_flags())
     llms = {dt: LLM(dtype=dt, enable_prefix_caching=False) for dt in ("float32", "bfloat16")}
     accuracy(llms, PROMPTS[:4] if args.quick else PROMPTS, 32 if args.quick else 64)
     speed(llms, 8 if args.quick else 16, 16 if args.quick else 32, 16 if args.quick else 32)
-    weights_probe()
 
 
 if __name__ == "__main__":

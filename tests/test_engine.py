@@ -319,11 +319,12 @@ def test_invalid_engine_options(tiny_engine_model, options, exc, match):
         LLM(tiny_engine_model, **options)
 
 
-def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_the_same_tokens(tiny_engine_folder):
+def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_activations(tiny_engine_folder):
     """``kv_cache_dtype="auto"``: a 16-bit model on CPU gets a float32 pool (a scatter into a
     bfloat16 one rewrites the whole pool: ``kv_cache.resolve_kv_cache_dtype``), sized in
-    float32 bytes, and decodes the tokens of a bfloat16 pool: bf16 K/V are exact in float32
-    and attention computes in float32 either way."""
+    float32 bytes. Its activations stay float32 (only the matmuls' inputs are rounded, see
+    ``model._cpu_dot_16bit``), so the pool holds K/V that a bfloat16 pool would round; asked
+    for, a bfloat16 pool decodes too."""
     import jax.numpy as jnp
 
     prompts = PROMPTS[:3]
@@ -333,11 +334,11 @@ def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_the_same_tokens(tiny_engin
     assert auto.loaded.model.dtype == jnp.bfloat16
     assert (auto.runner.kv.k.dtype, bf16.runner.kv.k.dtype) == (jnp.float32, jnp.bfloat16)
     assert auto.bm.num_usable_blocks + 1 == (bf16.bm.num_usable_blocks + 1) // 2  # the null block aside
-    want = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
-    assert [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)] == want
-    # The float32 pool holds the model's bfloat16 values, not more precise ones.
+    for llm in (auto, bf16):
+        assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == [12] * 3
     k = np.asarray(auto.runner.kv.k)
-    assert np.count_nonzero(k) and np.array_equal(k, np.asarray(jnp.asarray(k).astype(jnp.bfloat16), np.float32))
+    written = k[k != 0]
+    assert written.size and not np.array_equal(written, np.asarray(jnp.asarray(written).astype(jnp.bfloat16), np.float32))
 
 
 def test_unknown_model_path(tmp_path):

@@ -108,6 +108,64 @@ def test_cpu_dot_equals_the_plain_product(k, dtype, out_in):
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(k))
 
 
+@pytest.mark.parametrize("out_in", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 32, 40])
+def test_cpu_dot_of_16bit_weights_rounds_only_the_input(rows, out_in):
+    """float32 activations times bfloat16 weights (the CPU form of a bfloat16 model): the
+    activations rounded to bfloat16, the products summed in float32; fewer rows than
+    ``MIN_ROWS_16BIT`` are padded, and the padding leaves the rows' results alone. Against
+    numpy in float64 on the same rounded inputs, at float32's precision."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.model import MIN_ROWS_16BIT, _cpu_dot
+
+    assert min(5, 32, 40) < MIN_ROWS_16BIT <= 40  # the rows cover both sides of the padding
+    k = 576
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((k, 96), dtype=np.float32), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32))
+    got = _cpu_dot(x, w.T if out_in else w, out_in=out_in, precision=jax.lax.Precision.HIGHEST)
+    assert got.dtype == jnp.float32 and got.shape == (rows, 96)
+    rounded = np.asarray(x.astype(jnp.bfloat16), np.float64)
+    want = rounded @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    # The input is rounded: the float32 product differs from it by far more than float32 sums do.
+    assert np.max(np.abs(np.asarray(x, np.float64) @ np.asarray(w, np.float64) - want)) > 1e-3
+
+
+def test_a_bfloat16_models_cpu_form_keeps_float32_activations(tiny_hf):
+    """On CPU a bfloat16 model runs with float32 activations; only the matmuls' inputs are
+    rounded to bfloat16. Its logits are closer to the float32 model over the same (bf16)
+    weights than the all-bfloat16 forward of the stacked form (the accelerators' arithmetic),
+    and within bfloat16 rounding of them."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    folder, _ = tiny_hf
+    lm16 = load_model(folder, dtype=jnp.bfloat16, attention_backend="xla")
+    graphdef, state = nnx.split(lm16.model)  # the float32 reference holds the bf16 model's values exactly
+    ref_model = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.float32), state))
+    assert ref_model.dtype == jnp.float32 and ref_model.is_stacked
+    ids = np.random.default_rng(7).integers(0, lm16.config.vocab_size, 23).tolist()
+    md = step_metadata([0], [len(ids)], block_size=BS, blocks_per_seq=8)
+    tokens = np.array(ids, np.int32)
+
+    def logits_of(model):
+        kv = init_kv_pool(lm16.config.num_layers, 9, lm16.config.num_kv_heads, BS, lm16.config.head_dim)
+        return np.asarray(model(tokens, kv, md)[0], np.float64)
+
+    want = logits_of(ref_model)
+    errs = {}
+    for layout in ("in_out", "out_in"):
+        errs[layout] = np.max(np.abs(logits_of(lm16.model.unstacked(layout)) - want))
+    all_bf16 = np.max(np.abs(logits_of(lm16.model) - want))
+    scale = np.max(np.abs(want))
+    assert max(errs.values()) < 2e-2 * scale, (errs, scale)
+    assert max(errs.values()) < 0.75 * all_bf16, (errs, all_bf16)
+
+
 def test_chunked_prefill_matches_hf(tiny_hf, form):
     """A prompt fed in chunks that start mid-block attends to its cached prefix."""
     folder, hf = tiny_hf
