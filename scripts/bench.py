@@ -38,7 +38,8 @@ What it does, in one process:
 6. ``--peers llama.cpp``: the CPU engine people pick, on every request of the offline run.
    Built from the ``llama-cpp-python`` sdist's vendored llama.cpp on first use (~10 minutes
    on 2 cores; cached in ``~/.cache/jaxpaged``, or ``--llama-cpp-dir``), the default GGUF
-   requantized to F32 (``scripts/llama_cpp_peer.py``). ``llama-server`` with one continuous-
+   requantized to F32 (``scripts/llama_cpp_peer.py``; BF16 with ``--dtype bfloat16``, which
+   runs jaxpaged's bfloat16 weights, float32 activations on CPU). ``llama-server`` with one continuous-
    batching slot per request gets the same token ids and lengths, greedy, ``ignore_eos``, no
    prompt cache, all at once: generated tok/s from the first submit to the last response,
    and each request's token count checked. Also single-stream decode on both sides: one
@@ -114,6 +115,9 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="jaxpaged's weights (activations stay float32 on CPU); llama.cpp gets the GGUF requantized "
+                        "to the same (F32 or BF16)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="time the first run, compilations included")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -295,7 +299,8 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
 
     One slot per request, so llama.cpp batches all of them as jaxpaged does; each slot's
     context fits the longest request. A server is up only while its setting is measured.
-    The ratios take llama.cpp's fastest float32 setting, per measure.
+    The ratios take llama.cpp's fastest setting with float32 K/V (its weights are the GGUF's,
+    jaxpaged's precision), per measure.
     """
     from llama_cpp_peer import CONFIGS, LlamaServer, run_batch
 
@@ -332,19 +337,19 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
         best = {"gen_tok_s": f32[gen]["batch"]["gen_tok_s"], "gen_config": gen,
                 "decode_tok_s": f32[one]["single_stream"]["decode_tok_s"], "decode_config": one,
                 "decode_ratio": f32[one]["single_stream"]["paired_ratio"]}
-    out = {"configs": configs, "best_float32": best,
+    out = {"configs": configs, "best_float32": best, "dtype": args.dtype,
            "single_stream": {"jaxpaged": jp1, "prompt_len": len(prompts1[0]), "new_tokens": n}}
     llama_tables(w, main_run, out)
     return out
 
 
 def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
-    from llama_cpp_peer import cpu_flags
+    from llama_cpp_peer import WEIGHTS, cpu_flags
 
     configs, ss, best = out["configs"], out["single_stream"], out["best_float32"]
     jp1 = ss["jaxpaged"]
     ok = len(w) - jp.wrong_lengths
-    rows = [[jp.label, "float32", jp.num_requests, jp.num_generated, jp.wall_s, jp.gen_tok_s, jp.total_tok_s,
+    rows = [[jp.label, out["dtype"], jp.num_requests, jp.num_generated, jp.wall_s, jp.gen_tok_s, jp.total_tok_s,
              f"{ok}/{len(w)}", "-", "-"]]
     notes = []
     for name, c in configs.items():
@@ -355,7 +360,8 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
         notes.append(f"llama.cpp {name}: {' '.join(Path(a).name if a.startswith('/') else a for a in c['server'])}; "
                      f"log {c['log']}")
     first = next(iter(configs.values()))
-    table(f"Peer llama.cpp: the same {len(w)} requests, same GGUF in F32, greedy, ignore_eos, all at once",
+    table(f"Peer llama.cpp: the same {len(w)} requests, same GGUF in {WEIGHTS[out['dtype']]}, greedy, ignore_eos, "
+          "all at once",
           ["system", "precision", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "tokens as asked",
            "llama.cpp / jaxpaged", "same first 16 tokens"], rows,
           notes + [f"llama.cpp build {Path(first['server'][0]).parent}, CPU flags {cpu_flags()}; continuous "
@@ -364,7 +370,7 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
                    "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's "
                    "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
                    "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
-    rows = [["jaxpaged", "float32", jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
+    rows = [["jaxpaged", out["dtype"], jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
              " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-", "-",
              jp1["prefill_tok_s"]]]
     for name, c in configs.items():
@@ -385,7 +391,8 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
            "prefill tok/s: the prompt over its one prefill step (jaxpaged; its first token sampled in it) or "
            "llama.cpp's timings.prompt_per_second, medians"])
     if best:
-        print(f"against llama.cpp's fastest float32 setting: generated tok/s llama.cpp / jaxpaged "
+        print(f"against llama.cpp's fastest setting with float32 K/V, weights {out['dtype']}: generated tok/s "
+              "llama.cpp / jaxpaged "
               f"{best['gen_tok_s'] / jp.gen_tok_s:.2f} ({best['gen_config']}), single stream "
               f"{best['decode_ratio']:.2f} ({best['decode_config']}, paired)", flush=True)
 
@@ -567,16 +574,15 @@ def main(argv=None) -> dict:
 
     llama = None
     if "llama.cpp" in args.peers:  # first: a build takes minutes, and a failed one should not wait for the rest
-        from llama_cpp_peer import f32_gguf, find_or_build
+        from llama_cpp_peer import WEIGHTS, find_or_build, requantized_gguf
 
         bin_dir = find_or_build(args.llama_cpp_dir)
-        llama = bin_dir, f32_gguf(bin_dir, default_model_path())
-        print(f"llama.cpp: {bin_dir}; F32 GGUF {llama[1]}", flush=True)
+        llama = bin_dir, requantized_gguf(bin_dir, default_model_path(), WEIGHTS[args.dtype])
+        print(f"llama.cpp: {bin_dir}; {WEIGHTS[args.dtype]} GGUF {llama[1]}", flush=True)
     ceil0 = measure_ceilings(quick=args.quick)
     t = time.perf_counter()
-    lm = jaxpaged.load_model(attention_backend=args.attention_backend)
+    lm = jaxpaged.load_model(attention_backend=args.attention_backend, dtype=args.dtype)
     print(f"loaded {lm.source} in {time.perf_counter() - t:.1f} s", flush=True)
-    cost = ModelCost.from_loaded(lm)
     vocab = lm.config.vocab_size
     w = make_workload(args.workload, args.num_requests, vocab_size=vocab, max_model_len=args.max_model_len,
                       seed=args.seed, prompt_len=args.prompt_len, output_len=args.output_len)
@@ -597,6 +603,7 @@ def main(argv=None) -> dict:
     print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {llm.block_size}, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}{layout}",
           flush=True)
+    cost = ModelCost.from_loaded(lm, kv_dtype=llm.runner.kv.k.dtype)  # a 16-bit model's pool is float32 on CPU
     report: dict = {"machine": machine_info(), "args": vars(args), "workload": ws, "model": vars(cost)}
 
     def params_for(i: int) -> SamplingParams:  # seeded per request: a rerun draws the same tokens
@@ -635,6 +642,9 @@ def main(argv=None) -> dict:
     report["runs"] = {r.label: r.summary() for r in shown}
     timed = [r for r in shown if r is not warm and r is not online_warm]
     report["roofline"] = dict(zip([r.label for r in timed], roofline_table(timed, cost, ceil)))
+    if args.dtype != "float32":
+        print(f"- {args.dtype} weights: the roofline counts their bytes, but its FLOP/s ceilings are float32 "
+              "matmul rates; the fraction does not compare with a float32 run's", flush=True)
     if online:
         report["latency"] = latency_table(online, args.rate)
 

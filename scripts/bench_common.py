@@ -281,7 +281,8 @@ class ModelCost:
     attn_flops_per_ctx: int  # 4 * layers * heads * head_dim
 
     @classmethod
-    def from_loaded(cls, lm) -> ModelCost:
+    def from_loaded(cls, lm, kv_dtype=None) -> ModelCost:
+        """``kv_dtype``: the pool's (default: the model's; on CPU a 16-bit model's pool is float32)."""
         import jax
         from flax import nnx
 
@@ -293,7 +294,8 @@ class ModelCost:
         lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
         return cls(num_params=n - lookup, head_params=cfg.vocab_size * cfg.hidden_size,
                    weight_bytes=(n - lookup) * itemsize,
-                   kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize,
+                   kv_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+                   * (itemsize if kv_dtype is None else np.dtype(kv_dtype).itemsize),
                    attn_flops_per_ctx=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
 
     @property

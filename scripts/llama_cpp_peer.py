@@ -89,18 +89,23 @@ def build() -> Path:
     return root / "build" / "bin"
 
 
-def f32_gguf(bin_dir: Path, gguf: Path) -> Path:
-    """``gguf`` requantized to F32 (cached), so llama.cpp computes in float32 like jaxpaged.
+# The GGUF types a comparison requantizes to, by the dtype jaxpaged runs in.
+WEIGHTS = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def requantized_gguf(bin_dir: Path, gguf: Path, qtype: str = "F32") -> Path:
+    """``gguf`` requantized to ``qtype`` (``"F32"`` or ``"BF16"``, cached), so llama.cpp's
+    weights are the precision jaxpaged's are.
 
     The cache name carries a hash of the source's path, size and mtime: another file of the
     same name never reuses a stale conversion.
     """
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = CACHE / f"{gguf.stem}-{key}.F32.gguf"
+    out = CACHE / f"{gguf.stem}-{key}.{qtype}.gguf"
     if not out.is_file():
         tmp = out.with_suffix(".tmp")
-        r = subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(tmp), "F32"],
+        r = subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(tmp), qtype],
                            capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"llama-quantize failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -124,7 +129,8 @@ def cpu_flags() -> str:
 @dataclass(frozen=True)
 class Config:
     """A ``llama-server`` setting of its KV cache and attention (its flags), and whether it
-    computes in float32 throughout like jaxpaged."""
+    keeps K/V and activations in float32 like jaxpaged (its weights are the GGUF's:
+    :func:`requantized_gguf`)."""
 
     flags: tuple[str, ...]
     float32: bool
@@ -240,7 +246,7 @@ def main() -> None:
     from jaxpaged.default_model import default_model_path
 
     bin_dir = find_or_build(sys.argv[1] if len(sys.argv) > 1 else None)  # an existing build to check
-    print(f"llama.cpp: {bin_dir}\nF32 GGUF: {f32_gguf(bin_dir, default_model_path())}")
+    print(f"llama.cpp: {bin_dir}\nF32 GGUF: {requantized_gguf(bin_dir, default_model_path())}")
 
 
 if __name__ == "__main__":
