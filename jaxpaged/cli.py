@@ -28,7 +28,9 @@ _SAMPLING = [  # (flag, type, SamplingParams field)
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The ``LLM`` options, shared by ``jaxpaged-generate`` and ``jaxpaged-serve``; see ``engine_kwargs``."""
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weights (default: float32 on CPU, bfloat16 elsewhere); on CPU activations stay float32, "
+                        "and bfloat16 speeds up batches where the CPU has AMX or AVX512-BF16")
     e.add_argument("--block-size", type=int, help="tokens per KV block (default: 64 on CPU, 16 on GPU/TPU)")
     e.add_argument("--num-blocks", type=int)
     e.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2GiB")
