@@ -113,14 +113,15 @@ def test_cpu_dot_equals_the_plain_product(k, dtype, out_in):
 def test_cpu_dot_of_16bit_weights_rounds_only_the_input(rows, out_in):
     """float32 activations times bfloat16 weights (the CPU form of a bfloat16 model): the
     activations rounded to bfloat16, the products summed in float32; fewer rows than
-    ``MIN_ROWS_16BIT`` are padded, and the padding leaves the rows' results alone. Against
-    numpy in float64 on the same rounded inputs, at float32's precision."""
+    ``MIN_ROWS_16BIT`` are padded (with ``[out, in]`` weights and at most
+    ``WEIGHT_LHS_MAX_ROWS_16BIT`` rows, as ``w @ x^T``), and the padding leaves the rows'
+    results alone. Against numpy in float64 on the same rounded inputs, at float32's precision."""
     import jax
     import jax.numpy as jnp
 
-    from jaxpaged.model import MIN_ROWS_16BIT, _cpu_dot
+    from jaxpaged.model import MIN_ROWS_16BIT, WEIGHT_LHS_MAX_ROWS_16BIT, _cpu_dot
 
-    assert min(5, 32, 40) < MIN_ROWS_16BIT <= 40  # the rows cover both sides of the padding
+    assert 5 <= WEIGHT_LHS_MAX_ROWS_16BIT < 32 <= MIN_ROWS_16BIT <= 40  # the rows cover every form
     k = 576
     rng = np.random.default_rng(rows)
     w = jnp.asarray(rng.standard_normal((k, 96), dtype=np.float32), jnp.bfloat16)
