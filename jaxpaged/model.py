@@ -174,16 +174,17 @@ def _cpu_dot(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "N K"
 # kernels); a product of fewer rows falls back to a slow loop, so those are padded to this many.
 MIN_ROWS_16BIT = 32
 # Up to this many tokens, ``[out, in]`` 16-bit weights are the product's left side instead (``W @
-# x^T``, the tokens padded to a power of two >= 8): YNNPACK then streams the weight as it is
-# rather than packing it for one narrow product.
-WEIGHT_LHS_MAX_ROWS_16BIT = 16
+# x^T``, the tokens padded to 8 columns). Measured, not understood: with as many tokens as
+# columns XLA folds the transpose back into a plain product of 8 rows, which some graphs run
+# 7x slower; below 8 the form held in every graph tried.
+WEIGHT_LHS_MAX_ROWS_16BIT = 7
 
 
 def _cpu_dot_16bit(x: Float[Array, "T K"], w, *, out_in: bool) -> Float[Array, "T N"]:
     """``x @ w`` for 16-bit weights ``w`` and float32 ``x``: ``x`` rounded to ``w``'s dtype, the
     products accumulated in float32; steps of fewer than :data:`MIN_ROWS_16BIT` tokens padded,
     or, with ``[out, in]`` weights and at most :data:`WEIGHT_LHS_MAX_ROWS_16BIT` tokens,
-    computed as ``(w @ x^T)^T`` (the same sums: bit for bit the same results).
+    computed as ``(w @ x^T)^T`` (the same sums; the same greedy tokens in the engine).
 
     The CPU form of a 16-bit model (:meth:`Llama.unstacked`) keeps its activations, norms,
     residual stream, K/V and logits in float32 and rounds only the matmuls' inputs. On a
@@ -191,14 +192,15 @@ def _cpu_dot_16bit(x: Float[Array, "T K"], w, *, out_in: bool) -> Float[Array, "
     bfloat16 against float32 (``[out, in]``): 41 vs 107 ms at 48 tokens, 168 vs 529 at 512;
     one token 17.1-17.9 ms as ``w @ x^T`` (8 columns), 28.5-29.3 padded to 32 rows, 135
     unpadded (XLA's own bfloat16 loop), 23.4-24.5 in float32; 4 tokens 15.4 / 25.0 / 36.1
-    (``w @ x^T`` / 32 rows / float32); 8-16 tokens 22-26 vs 29-33 ms for 32 rows, 24-31 about
-    even. The tied LM head at one token: 2.0 vs 3.2 ms. Widening the weights to float32 at
-    use instead (``astype``, or integer shifts of their bits) took 115-130 ms at one token.
+    (``w @ x^T`` / 32 rows / float32). Over 16 layers, one token: 7.2 ms as ``w @ x^T``, 9.4
+    / 10.4 / 11.9 padded to 8 / 16 / 32 rows (4 tokens: 6.8 vs 9.2 / 9.5 / 10.3). The tied LM head at one token: 2.0 vs 3.2 ms.
+    Widening the weights to float32 at use instead (``astype``, or integer shifts of their
+    bits) took 115-130 ms at one token.
     """
     T = x.shape[0]
     xw = x.astype(w.dtype)
     if out_in and T <= WEIGHT_LHS_MAX_ROWS_16BIT:
-        xw = jnp.pad(xw, ((0, max(8, 1 << (T - 1).bit_length()) - T), (0, 0)))
+        xw = jnp.pad(xw, ((0, 8 - T), (0, 0)))
         yt = jax.lax.dot_general(w, xw, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return yt[:, :T].T
     if T < MIN_ROWS_16BIT:
