@@ -190,7 +190,7 @@ def _cpu_dot_16bit(x: Float[Array, "T K"], w, *, out_in: bool) -> Float[Array, "
     residual stream, K/V and logits in float32 and rounds only the matmuls' inputs. On a
     2-vCPU Intel Xeon (Emerald Rapids, AMX), the default model's projections over 30 layers,
     bfloat16 against float32 (``[out, in]``): 41 vs 107 ms at 48 tokens, 168 vs 529 at 512;
-    one token 17.1-17.9 ms as ``w @ x^T`` (8 columns), 28.5-29.3 padded to 32 rows, 135
+    one token 17.9 ms as ``w @ x^T`` (8 columns), 28.5-29.3 padded to 32 rows, 135
     unpadded (XLA's own bfloat16 loop), 23.4-24.5 in float32; 4 tokens 15.4 / 25.0 / 36.1
     (``w @ x^T`` / 32 rows / float32). Over 16 layers, one token: 7.2 ms as ``w @ x^T``, 9.4
     / 10.4 / 11.9 padded to 8 / 16 / 32 rows (4 tokens: 6.8 vs 9.2 / 9.5 / 10.3). The tied

@@ -77,6 +77,8 @@ PEERS = {"transformers", "llama.cpp"}
 
 
 def parse_args(argv=None):
+    from llama_cpp_peer import WEIGHTS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["decode-heavy", "sharegpt"], default="decode-heavy")
@@ -115,7 +117,7 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+    p.add_argument("--dtype", choices=list(WEIGHTS), default="float32",
                    help="jaxpaged's weights (activations stay float32 on CPU); llama.cpp gets the GGUF requantized "
                         "to the same (F32 or BF16)")
     p.add_argument("--no-prefix-caching", action="store_true")
