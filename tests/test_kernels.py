@@ -34,6 +34,7 @@ from jaxpaged.compat import abstract_gpu
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
 from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
+from jaxpaged.pallas import xla as xla_attention
 from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
 from paged import dot_precisions
 
@@ -222,6 +223,33 @@ class TestXlaKernels:
         args, positions = ragged_case(12, **case)
         out = xla_ragged_paged_attention(*args, scale=0.1, block_q=3, pages_per_chunk=pages_per_chunk)
         assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
+
+    @pytest.mark.parametrize("longest_blocks", [1, 2, 3, 4, 5, 8, 15])
+    @pytest.mark.parametrize("pages_per_chunk", [4, 6])
+    def test_decode_reads_the_last_chunk_in_pieces(self, longest_blocks, pages_per_chunk):
+        # The two-pass decode reads full chunks, then the longest context's remaining blocks
+        # in pieces of 4, 2, 1 (_chunk_plan): every remainder, a chunk wider than the table
+        # (pieces only), exactly as wide, and a table with unused columns. Stale slots hold
+        # NaN (make_pool), so a piece read past a context would show.
+        bs = 8
+        longest = (longest_blocks - 1) * bs + 3
+        contexts = [longest, 1, max(1, longest - bs - 5), bs, 0]
+        case = dict(block_size=bs, ratio=3, head_dim=64, dtype=jnp.float32)
+        args = decode_case(100 + longest_blocks, contexts=contexts, **case)
+        out = xla_paged_decode_attention(*args, scale=0.1, pages_per_chunk=pages_per_chunk)
+        assert_matches(out, ref_decode(*args, scale=0.1), jnp.float32)
+
+    def test_chunk_plan_covers_the_blocks_exactly(self):
+        for chunk in range(1, 11):
+            for width in (1, 3, chunk, 12):
+                for n_blocks in range(width + 1):
+                    n_full, pieces = xla_attention._chunk_plan(jnp.int32(n_blocks), chunk, width)
+                    read = [(int(start), size) for size, start, run in pieces if bool(run)]
+                    starts = [c * chunk for c in range(int(n_full))] + [s for s, _ in read]
+                    sizes = [chunk] * int(n_full) + [n for _, n in read]
+                    assert sum(sizes) == n_blocks, (chunk, width, n_blocks)
+                    assert starts == list(np.cumsum([0] + sizes)[:-1]), (chunk, width, n_blocks)
+                    assert all(n <= width for n in sizes)
 
 
 def test_split_k_is_chosen_for_long_tables_on_small_grids():

@@ -3,8 +3,9 @@
 Same algorithm as the Pallas kernels, batched the way XLA:CPU runs well: a
 ``lax.fori_loop`` over chunks of ``pages_per_chunk`` blocks; each step gathers that chunk
 of every row's blocks from the full stacked pool in one gather (layer folded into the
-row id) and multiplies it in float32. The loops stop at the longest context in the batch,
-not at the table width. Decode runs two passes (logits of every chunk, one exact softmax,
+row id) and multiplies it in float32. The loops stop at the longest context's last block,
+not at the table width: full chunks, then what is left in smaller pieces (``_chunk_plan``).
+Decode runs two passes (logits of every chunk, one exact softmax,
 then ``p @ v`` chunk by chunk, see ``_two_pass_decode``); ragged batches, whose logits
 would be too big to keep, an online softmax (``_blocked_attention``).
 
@@ -61,8 +62,9 @@ from jaxpaged.pallas import common
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _chunk_reader(pool, bt, pages_per_chunk: int):
-    """``read(c) -> [B, KVH, C * BS, D]`` float32: chunk ``c`` of every row's blocks of ``pool``.
+def _block_reader(pool, bt):
+    """``read(start, size) -> [B, KVH, size * BS, D]`` float32: blocks ``start .. start + size``
+    of every row's table ``bt``, read from ``pool``.
 
     The pool is viewed as rows of one (layer, block, head) tile each, ``[L * NB * KVH,
     BS * D]``: a gather of whole rows lands directly in the ``[B, KVH, keys, D]`` layout
@@ -70,30 +72,53 @@ def _chunk_reader(pool, bt, pages_per_chunk: int):
     """
     L, NB, KVH, BS, D = pool.shape
     B = bt.shape[0]
-    C = pages_per_chunk
     rows_view = pool.reshape(L * NB * KVH, BS * D)
     heads = jnp.arange(KVH, dtype=jnp.int32)[None, :, None]
 
-    def read(c):
-        ids = lax.dynamic_slice_in_dim(bt, c * C, C, axis=1)  # [B, C]
+    def read(start, size: int):
+        ids = lax.dynamic_slice_in_dim(bt, start, size, axis=1)  # [B, size]
         # mode="clip": the ids are in range already; skipping the fill-mode check is ~5% faster.
         x = rows_view.at[ids[:, None, :] * KVH + heads].get(mode="clip")
-        return x.astype(jnp.float32).reshape(B, KVH, C * BS, D)
+        return x.astype(jnp.float32).reshape(B, KVH, size * BS, D)
 
     return read
+
+
+def _chunk_plan(n_blocks, chunk: int, width: int):
+    """How the two-pass decode covers a batch's ``n_blocks`` (traced: the longest context's
+    blocks) in loop steps: ``n_blocks // chunk`` full chunks, then what is left in pieces of
+    4, 2, 1 ... blocks (powers of two below ``chunk``), each read or skipped as a whole.
+
+    Returns ``(n_full, [(size, start, run), ...])``. Without the pieces, every row paid for
+    the last chunk's whole width: 48 rows at contexts 140-160, chunks of 2 blocks of 64,
+    read 256 keys a row where 192 hold the context.
+    """
+    n_full = n_blocks // chunk
+    start, left, pieces = n_full * chunk, n_blocks - n_full * chunk, []
+    size = common.next_power_of_2(chunk) // 2
+    while size >= 1:
+        if size <= width:  # a piece wider than the table never runs
+            run = (left & size) != 0
+            pieces.append((size, start, run))
+            start = start + jnp.where(run, size, 0)
+        size //= 2
+    return n_full, pieces
 
 
 def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float, pages_per_chunk: int):
     """Online-softmax attention of row blocks over their own paged keys.
 
-    qb: [B, KVH, M, D] queries (M rows per KV head); bt: [B, Wp] block ids (layer folded);
-    row_pos: [B, M] last key position each row sees; kv_len: [B] keys visible to the block;
-    k_pool, v_pool: the full [L, NB, KVH, BS, D] pool. Returns [B, KVH, M, D] float32.
+    qb: [B, KVH, M, D] queries (M rows per KV head); bt: [B, W + C] block ids (layer
+    folded), the table and then C = ``pages_per_chunk`` columns of padding (see
+    :func:`_two_pass_decode`); row_pos: [B, M] last key position each row sees; kv_len: [B]
+    keys visible to the block; k_pool, v_pool: the full [L, NB, KVH, BS, D] pool. Returns
+    [B, KVH, M, D] float32. Full chunks, then the last blocks in pieces (``_chunk_plan``).
     """
     B, KVH, M, D = qb.shape
-    N = pages_per_chunk * k_pool.shape[3]
-    read_k = _chunk_reader(k_pool, bt, pages_per_chunk)
-    read_v = _chunk_reader(v_pool, bt, pages_per_chunk)
+    BS = k_pool.shape[3]
+    C = pages_per_chunk
+    read_k = _block_reader(k_pool, bt)
+    read_v = _block_reader(v_pool, bt)
     q32 = qb.astype(jnp.float32) * scale
     # Logits come out of the dot as [.., keys, rows]. With many rows (prefill blocks) they
     # are transposed so that the softmax reduces over the minor axis and p @ v is a dot:
@@ -102,13 +127,13 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
     keys_axis = 2 if M <= 8 else 3
     stat_shape = (B, KVH, 1, M) if M <= 8 else (B, KVH, M, 1)
 
-    def body(c, carry):
+    def body(start, size, carry):
         o, m, l = carry  # o [B, KVH, M, D]; m, l: stat_shape
-        key_pos = c * N + jnp.arange(N, dtype=jnp.int32)
-        in_ctx = key_pos[None, :] < kv_len[:, None]  # [B, N]
-        v = jnp.where(in_ctx[:, None, :, None], read_v(c), 0.0)  # stale slots may hold NaN
-        s = jnp.einsum("bknd,bkmd->bknm", read_k(c), q32, precision=_HIGHEST)  # [B, KVH, N, M]
-        visible = key_pos[None, :, None] <= row_pos[:, None, :]  # [B, N, M]
+        key_pos = start * BS + jnp.arange(size * BS, dtype=jnp.int32)
+        in_ctx = key_pos[None, :] < kv_len[:, None]  # [B, keys]
+        v = jnp.where(in_ctx[:, None, :, None], read_v(start, size), 0.0)  # stale slots may hold NaN
+        s = jnp.einsum("bknd,bkmd->bknm", read_k(start, size), q32, precision=_HIGHEST)  # [B, KVH, keys, M]
+        visible = key_pos[None, :, None] <= row_pos[:, None, :]  # [B, keys, M]
         if keys_axis == 3:
             s, visible = s.transpose(0, 1, 3, 2), visible.transpose(0, 2, 1)
         s = jnp.where(visible[:, None], s, common.MASK_VALUE)
@@ -122,11 +147,14 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
             o = o * alpha + jnp.einsum("bkmn,bknd->bkmd", p, v, precision=_HIGHEST)
         return o, m_new, l
 
-    init = (jnp.zeros((B, KVH, M, D), jnp.float32),
-            jnp.full(stat_shape, common.MASK_VALUE, jnp.float32),
-            jnp.zeros(stat_shape, jnp.float32))
-    n_chunks = (jnp.max(kv_len) + N - 1) // N
-    o, m, l = lax.fori_loop(0, n_chunks, body, init)
+    carry = (jnp.zeros((B, KVH, M, D), jnp.float32),
+             jnp.full(stat_shape, common.MASK_VALUE, jnp.float32),
+             jnp.zeros(stat_shape, jnp.float32))
+    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C, bt.shape[1] - C)
+    carry = lax.fori_loop(0, n_full, lambda c, carry: body(c * C, C, carry), carry)
+    for size, start, run in pieces:
+        carry = lax.cond(run, functools.partial(body, start, size), lambda carry: carry, carry)
+    o, m, l = carry
     if keys_axis == 2:
         l = l[:, :, 0, :, None]
     return o / jnp.where(l > 0, l, 1.0)
@@ -135,29 +163,37 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
 def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_chunk: int):
     """Decode attention in two passes over the paged keys, with an exact softmax between.
 
-    qg: [B, KVH, G, D] queries; bt: [B, Wp] block ids (layer folded); kv_len: [B];
-    k_pool, v_pool: the full [L, NB, KVH, BS, D] pool. Returns [B, KVH, G, D] float32.
+    qg: [B, KVH, G, D] queries; bt: [B, W + C] block ids (layer folded), the table and then
+    C = ``pages_per_chunk`` columns of padding; kv_len: [B]; k_pool, v_pool: the full [L,
+    NB, KVH, BS, D] pool. Returns [B, KVH, G, D] float32.
 
-    Pass 1 writes every chunk's logits into one ``[B, KVH, Wp * BS, G]`` buffer (4 bytes
+    Pass 1 writes every chunk's logits into one ``[B, KVH, W * BS, G]`` buffer (4 bytes
     per key and query head: ~2% of the KV it is computed from); one softmax over the whole
     buffer; pass 2 accumulates ``p @ v`` chunk by chunk. Compared with the online
     softmax, each loop step is a gather and a dot, nothing else: no running max, no
-    rescaling, no small reductions per step (see the module docstring).
+    rescaling, no small reductions per step (see the module docstring). Each pass reads
+    full chunks, then the blocks left in smaller pieces (``_chunk_plan``), so no row reads
+    past the longest context's last block. (The padding columns keep every slice of the
+    table narrower than the table: XLA hoists a full-width slice's gather and dot out of
+    the loop, and so runs it even when the loop does not.)
     """
     B, KVH, G, D = qg.shape
     BS = k_pool.shape[3]
-    N = pages_per_chunk * BS
-    NW = bt.shape[1] * BS
-    read_k = _chunk_reader(k_pool, bt, pages_per_chunk)
-    read_v = _chunk_reader(v_pool, bt, pages_per_chunk)
+    C = pages_per_chunk
+    W = bt.shape[1] - C
+    NW = W * BS
+    read_k = _block_reader(k_pool, bt)
+    read_v = _block_reader(v_pool, bt)
     q32 = qg.astype(jnp.float32) * scale
-    n_chunks = (jnp.max(kv_len) + N - 1) // N
+    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C, W)
 
-    def logits(c, s):  # s [B, KVH, NW, G]; positions past n_chunks * N stay unwritten
-        s_c = jnp.einsum("bknd,bkgd->bkng", read_k(c), q32, precision=_HIGHEST)
-        return lax.dynamic_update_slice_in_dim(s, s_c, c * N, axis=2)
+    def logits(start, size, s):  # s [B, KVH, NW, G]; positions past the context stay unwritten
+        s_c = jnp.einsum("bknd,bkgd->bkng", read_k(start, size), q32, precision=_HIGHEST)
+        return lax.dynamic_update_slice_in_dim(s, s_c, start * BS, axis=2)
 
-    s = lax.fori_loop(0, n_chunks, logits, jnp.zeros((B, KVH, NW, G), jnp.float32))
+    s = lax.fori_loop(0, n_full, lambda c, s: logits(c * C, C, s), jnp.zeros((B, KVH, NW, G), jnp.float32))
+    for size, start, run in pieces:
+        s = lax.cond(run, functools.partial(logits, start, size), lambda s: s, s)
     # Logits come out of the dot as [.., keys, heads] (the shape XLA:CPU multiplies
     # fastest; transposing each chunk inside the loop is 10-20% slower end to end) and
     # are transposed once so that the softmax reduces over the minor axis.
@@ -167,13 +203,15 @@ def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_
     p = jnp.exp(s - s.max(axis=3, keepdims=True))
     l = p.sum(axis=3, keepdims=True)  # >= 1: the max term is exp(0)
 
-    def weighted_values(c, o):  # o [B, KVH, G, D]
-        in_chunk = lax.dynamic_slice_in_dim(in_ctx, c * N, N, axis=1)  # [B, N]
-        v = jnp.where(in_chunk[:, None, :, None], read_v(c), 0.0)  # stale slots may hold NaN
-        p_c = lax.dynamic_slice_in_dim(p, c * N, N, axis=3)
+    def weighted_values(start, size, o):  # o [B, KVH, G, D]
+        in_chunk = lax.dynamic_slice_in_dim(in_ctx, start * BS, size * BS, axis=1)  # [B, keys]
+        v = jnp.where(in_chunk[:, None, :, None], read_v(start, size), 0.0)  # stale slots may hold NaN
+        p_c = lax.dynamic_slice_in_dim(p, start * BS, size * BS, axis=3)
         return o + jnp.einsum("bkgn,bknd->bkgd", p_c, v, precision=_HIGHEST)
 
-    o = lax.fori_loop(0, n_chunks, weighted_values, jnp.zeros((B, KVH, G, D), jnp.float32))
+    o = lax.fori_loop(0, n_full, lambda c, o: weighted_values(c * C, C, o), jnp.zeros((B, KVH, G, D), jnp.float32))
+    for size, start, run in pieces:
+        o = lax.cond(run, functools.partial(weighted_values, start, size), lambda o: o, o)
     return o / l
 
 
@@ -229,14 +267,14 @@ def xla_paged_decode_attention(
 def _xla_decode(q, k_pool, v_pool, layer, block_tables, context_lens, *, scale, pages_per_chunk, debug):
     S, Hq, D = q.shape
     L, NB, KVH, BS, _ = k_pool.shape
-    C = pages_per_chunk or min(_decode_chunk(S, BS), block_tables.shape[1])  # no chunk wider than the table
+    C = min(pages_per_chunk or _decode_chunk(S, BS), block_tables.shape[1])  # no chunk wider than the table
     if debug:
         common.debug_check_block_tables(block_tables, NB)
-    width = -(-block_tables.shape[1] // C) * C
-    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, width)
+    W = block_tables.shape[1]
     G = Hq // KVH
     qg = common.group_queries(q, KVH, G)
-    if S * Hq * width * BS * 4 <= _MAX_LOGITS_BYTES:
+    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, W + C)
+    if S * Hq * W * BS * 4 <= _MAX_LOGITS_BYTES:
         o = _two_pass_decode(qg, bt, context_lens, k_pool, v_pool, scale=scale, pages_per_chunk=C)
     else:
         row_pos = jnp.broadcast_to((context_lens - 1)[:, None], (S, G))
@@ -299,8 +337,8 @@ def _xla_ragged(q, k_pool, v_pool, layer, block_tables, context_lens, query_star
     C = pages_per_chunk or _default_chunk(common.num_q_blocks(T, block_tables.shape[0], block_q), BS)
     if debug:
         common.debug_check_block_tables(block_tables, NB)
-    width = -(-block_tables.shape[1] // C) * C
-    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, width)
+    C = min(C, block_tables.shape[1])  # no chunk wider than the table
+    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, block_tables.shape[1] + C)
     (qb_seq, qb_tok0, qb_nq, qb_pos0), (tok_block, tok_row, tok_valid) = common.q_block_schedule(
         query_start_loc, context_lens, T, block_q)
     qb = common.pack_queries(q, qb_tok0, KVH, block_q, G)  # [NQB, KVH, block_q * G, D]
