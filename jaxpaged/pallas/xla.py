@@ -4,7 +4,8 @@ Same algorithm as the Pallas kernels, batched the way XLA:CPU runs well: a
 ``lax.fori_loop`` over chunks of ``pages_per_chunk`` blocks; each step gathers that chunk
 of every row's blocks from the full stacked pool in one gather (layer folded into the
 row id) and multiplies it in float32. The loops stop at the longest context's last block,
-not at the table width: full chunks, then what is left in smaller pieces (``_chunk_plan``).
+not at the table width: full chunks, then what is left in half a chunk where it fits
+(``_chunk_plan``).
 Decode runs two passes (logits of every chunk, one exact softmax,
 then ``p @ v`` chunk by chunk, see ``_two_pass_decode``); ragged batches, whose logits
 would be too big to keep, an online softmax (``_blocked_attention``).
@@ -84,35 +85,43 @@ def _block_reader(pool, bt):
     return read
 
 
-def _chunk_plan(n_blocks, chunk: int, width: int):
-    """How the two-pass decode covers a batch's ``n_blocks`` (traced: the longest context's
-    blocks) in loop steps: ``n_blocks // chunk`` full chunks, then what is left in pieces of
-    4, 2, 1 ... blocks (powers of two below ``chunk``), each read or skipped as a whole.
+def _chunk_plan(n_blocks, chunk: int):
+    """How the attention loops cover a batch's ``n_blocks`` (traced: the longest context's
+    blocks): ``n_blocks // chunk`` full chunks, then what is left either in one piece of
+    ``half`` a chunk (the largest power of two below ``chunk``) when it fits, or as one more
+    full chunk. Returns ``(n_full, [(half, start, run)])`` (no piece for chunks of 1 block).
 
-    Returns ``(n_full, [(size, start, run), ...])``. Without the pieces, every row paid for
-    the last chunk's whole width: 48 rows at contexts 140-160, chunks of 2 blocks of 64,
-    read 256 keys a row where 192 hold the context.
+    Without the piece, every row paid for the last chunk's whole width: 48 rows at contexts
+    140-160, chunks of 2 blocks of 64, read 256 keys a row where 192 hold the context (now
+    192). Past the longest context's last block a loop now reads less than half a chunk,
+    where it read up to a whole one. Pieces of a quarter chunk, an eighth and so on would
+    make every read exact, but each piece is more code to compile in every step shape
+    (binary pieces down to one block: +23% compile time for the default model's steps).
     """
     n_full = n_blocks // chunk
-    start, left, pieces = n_full * chunk, n_blocks - n_full * chunk, []
-    size = common.next_power_of_2(chunk) // 2
-    while size >= 1:
-        if size <= width:  # a piece wider than the table never runs
-            run = (left & size) != 0
-            pieces.append((size, start, run))
-            start = start + jnp.where(run, size, 0)
-        size //= 2
-    return n_full, pieces
+    left = n_blocks - n_full * chunk
+    half = common.next_power_of_2(chunk) // 2
+    if half == 0:
+        return n_full, []
+    return n_full + (left > half), [(half, n_full * chunk, (left > 0) & (left <= half))]
+
+
+def _padded_width(width: int, chunk: int) -> int:
+    """Block-table columns the loops read: whole chunks, and one more chunk of padding so that
+    no slice of the table is as wide as the table (XLA hoists the gather and dot of a
+    full-width slice out of its loop, and so runs them even when the loop runs no step)."""
+    return -(-width // chunk) * chunk + chunk
 
 
 def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float, pages_per_chunk: int):
     """Online-softmax attention of row blocks over their own paged keys.
 
-    qb: [B, KVH, M, D] queries (M rows per KV head); bt: [B, W + C] block ids (layer
-    folded), the table and then C = ``pages_per_chunk`` columns of padding (see
-    :func:`_two_pass_decode`); row_pos: [B, M] last key position each row sees; kv_len: [B]
-    keys visible to the block; k_pool, v_pool: the full [L, NB, KVH, BS, D] pool. Returns
-    [B, KVH, M, D] float32. Full chunks, then the last blocks in pieces (``_chunk_plan``).
+    qb: [B, KVH, M, D] queries (M rows per KV head); bt: [B, Wc + C] block ids (layer
+    folded), the table padded to whole chunks and then one more chunk of C =
+    ``pages_per_chunk`` columns (``_padded_width``); row_pos: [B, M] last key position each
+    row sees; kv_len: [B] keys visible to the block; k_pool, v_pool: the full [L, NB, KVH,
+    BS, D] pool. Returns [B, KVH, M, D] float32. Full chunks, then what is left in half a
+    chunk where it fits (``_chunk_plan``).
     """
     B, KVH, M, D = qb.shape
     BS = k_pool.shape[3]
@@ -150,7 +159,7 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
     carry = (jnp.zeros((B, KVH, M, D), jnp.float32),
              jnp.full(stat_shape, common.MASK_VALUE, jnp.float32),
              jnp.zeros(stat_shape, jnp.float32))
-    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C, bt.shape[1] - C)
+    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C)
     carry = lax.fori_loop(0, n_full, lambda c, carry: body(c * C, C, carry), carry)
     for size, start, run in pieces:
         carry = lax.cond(run, functools.partial(body, start, size), lambda carry: carry, carry)
@@ -163,29 +172,26 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
 def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_chunk: int):
     """Decode attention in two passes over the paged keys, with an exact softmax between.
 
-    qg: [B, KVH, G, D] queries; bt: [B, W + C] block ids (layer folded), the table and then
-    C = ``pages_per_chunk`` columns of padding; kv_len: [B]; k_pool, v_pool: the full [L,
-    NB, KVH, BS, D] pool. Returns [B, KVH, G, D] float32.
+    qg: [B, KVH, G, D] queries; bt: [B, Wc + C] block ids (layer folded), the table padded
+    to whole chunks and then one more chunk of C = ``pages_per_chunk`` columns
+    (``_padded_width``); kv_len: [B]; k_pool, v_pool: the full [L, NB, KVH, BS, D] pool.
+    Returns [B, KVH, G, D] float32.
 
-    Pass 1 writes every chunk's logits into one ``[B, KVH, W * BS, G]`` buffer (4 bytes
+    Pass 1 writes every chunk's logits into one ``[B, KVH, Wc * BS, G]`` buffer (4 bytes
     per key and query head: ~2% of the KV it is computed from); one softmax over the whole
     buffer; pass 2 accumulates ``p @ v`` chunk by chunk. Compared with the online
     softmax, each loop step is a gather and a dot, nothing else: no running max, no
     rescaling, no small reductions per step (see the module docstring). Each pass reads
-    full chunks, then the blocks left in smaller pieces (``_chunk_plan``), so no row reads
-    past the longest context's last block. (The padding columns keep every slice of the
-    table narrower than the table: XLA hoists a full-width slice's gather and dot out of
-    the loop, and so runs it even when the loop does not.)
+    full chunks, then what is left in half a chunk where it fits (``_chunk_plan``).
     """
     B, KVH, G, D = qg.shape
     BS = k_pool.shape[3]
     C = pages_per_chunk
-    W = bt.shape[1] - C
-    NW = W * BS
+    NW = (bt.shape[1] - C) * BS
     read_k = _block_reader(k_pool, bt)
     read_v = _block_reader(v_pool, bt)
     q32 = qg.astype(jnp.float32) * scale
-    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C, W)
+    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C)
 
     def logits(start, size, s):  # s [B, KVH, NW, G]; positions past the context stay unwritten
         s_c = jnp.einsum("bknd,bkgd->bkng", read_k(start, size), q32, precision=_HIGHEST)
@@ -209,7 +215,8 @@ def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_
         p_c = lax.dynamic_slice_in_dim(p, start * BS, size * BS, axis=3)
         return o + jnp.einsum("bkgn,bknd->bkgd", p_c, v, precision=_HIGHEST)
 
-    o = lax.fori_loop(0, n_full, lambda c, o: weighted_values(c * C, C, o), jnp.zeros((B, KVH, G, D), jnp.float32))
+    o = jnp.zeros((B, KVH, G, D), jnp.float32)
+    o = lax.fori_loop(0, n_full, lambda c, o: weighted_values(c * C, C, o), o)
     for size, start, run in pieces:
         o = lax.cond(run, functools.partial(weighted_values, start, size), lambda o: o, o)
     return o / l
@@ -270,11 +277,11 @@ def _xla_decode(q, k_pool, v_pool, layer, block_tables, context_lens, *, scale, 
     C = min(pages_per_chunk or _decode_chunk(S, BS), block_tables.shape[1])  # no chunk wider than the table
     if debug:
         common.debug_check_block_tables(block_tables, NB)
-    W = block_tables.shape[1]
     G = Hq // KVH
     qg = common.group_queries(q, KVH, G)
-    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, W + C)
-    if S * Hq * W * BS * 4 <= _MAX_LOGITS_BYTES:
+    width = _padded_width(block_tables.shape[1], C)
+    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, width)
+    if S * Hq * (width - C) * BS * 4 <= _MAX_LOGITS_BYTES:
         o = _two_pass_decode(qg, bt, context_lens, k_pool, v_pool, scale=scale, pages_per_chunk=C)
     else:
         row_pos = jnp.broadcast_to((context_lens - 1)[:, None], (S, G))
@@ -338,7 +345,8 @@ def _xla_ragged(q, k_pool, v_pool, layer, block_tables, context_lens, query_star
     if debug:
         common.debug_check_block_tables(block_tables, NB)
     C = min(C, block_tables.shape[1])  # no chunk wider than the table
-    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, block_tables.shape[1] + C)
+    width = _padded_width(block_tables.shape[1], C)
+    bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, width)
     (qb_seq, qb_tok0, qb_nq, qb_pos0), (tok_block, tok_row, tok_valid) = common.q_block_schedule(
         query_start_loc, context_lens, T, block_q)
     qb = common.pack_queries(q, qb_tok0, KVH, block_q, G)  # [NQB, KVH, block_q * G, D]
