@@ -154,8 +154,10 @@ def test_default_model_tp3_same_tokens_and_logits(smollm):
     (tp=3: 8.7e-5; tp=3 vs tp=1: 1.0e-4 on the prefill, <=9e-5 on decode steps, measured on
     an AMD EPYC; on an Intel Xeon, whose XLA:CPU dots round otherwise, tp=1 was 1.56e-4 off
     the exact logits and tp=3 vs tp=1 1.58e-4). So the checks are against the exact logits:
-    tp=3 within 1e-4 of float64, tp=1 within 2e-4, and so the two within the sum of those of
-    each other. A wrong shard would be off by orders of magnitude more.
+    tp=3 and tp=1 within 2e-4 of float64 (tp=3 measured 1.04e-4 off on the Xeon once the XLA
+    attention loops read their last blocks in a half-chunk piece, another summation order),
+    and so the two within 4e-4 of each other. A wrong shard would be off by orders of magnitude
+    more.
     """
     prompts, want_tokens, want = greedy_logits(smollm.model)
     _, tokens, got = greedy_logits(shard_model(smollm.model, 3))
@@ -164,7 +166,7 @@ def test_default_model_tp3_same_tokens_and_logits(smollm):
     np.testing.assert_array_equal(tokens, want_tokens)
     np.testing.assert_array_equal(exact_tokens, want_tokens)
     for step, (a, b, e) in enumerate(zip(got, want, exact)):
-        np.testing.assert_allclose(a, e, atol=1e-4, rtol=0, err_msg=f"tp=3 vs float64, step {step}")
+        np.testing.assert_allclose(a, e, atol=2e-4, rtol=0, err_msg=f"tp=3 vs float64, step {step}")
         np.testing.assert_allclose(b, e, atol=2e-4, rtol=0, err_msg=f"tp=1 vs float64, step {step}")
         np.testing.assert_allclose(a, b, atol=3e-4, rtol=0, err_msg=f"tp=3 vs tp=1, step {step}")
         assert np.abs(a - b).max() > 0  # really two different computations
