@@ -142,6 +142,11 @@ class ModelRunner:
                        else sharding.pool_sharding(self.mesh))
         self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
                                device=pool_device)
+        # A step's token ids, committed like the pending ones filled in on the device: host
+        # ids left uncommitted made every step shape compile a second time, once for steps
+        # with pending tokens (async scheduling) and once for steps without.
+        self._token_sharding = (jax.sharding.SingleDeviceSharding(pool_device) if self.mesh is None
+                                else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         if num_host_blocks and self.mesh is not None and not all(
                 d.process_index == jax.process_index() for d in self.mesh.devices.flat):
             raise ValueError("preemption_mode='swap' is not supported when the mesh spans several processes "
@@ -240,6 +245,7 @@ class ModelRunner:
         if batch.token_src is not None:
             self.compiled_shapes.add(("fill", len(tokens), len(prev.sampled.tokens)))
             tokens = _fill_pending(tokens, batch.token_src, prev.sampled.tokens)
+        tokens = jax.device_put(tokens, self._token_sharding)  # a no-op for the filled ones
         sampled, prompt_lp = self._launch(batch, tokens, sm, num_logprobs=num_logprobs,
                                           num_prompt_logprobs=num_prompt_lp, use_penalties=use_penalties)
         for x in jax.tree.leaves((sampled, prompt_lp)):

@@ -39,6 +39,7 @@ host dispatch overlaps device work; the median of 5 such rounds after a warm-up.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
@@ -300,9 +301,11 @@ def device_random_params(cfg, dtype, seed: int = 0) -> dict:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def trace_summary(folder: str, top: int = 12) -> dict:
-    """Where the device's time went in a ``jax.profiler`` trace: busy fraction of the window
-    and the kernels that took most of it (merged over streams)."""
+def trace_summary(folder: str, top: int = 25) -> dict:
+    """Where the device's time went in a ``jax.profiler`` trace: busy fraction of the window,
+    the kernels that took most of it (merged over streams), and for each the HLO ops (the
+    trace's ``hlo_op`` stat) that launched it, so a copy or transpose can be traced to its
+    op in the step."""
     import collections
     import glob
 
@@ -313,6 +316,7 @@ def trace_summary(folder: str, top: int = 12) -> dict:
         return {}
     pd = ProfileData.from_file(files[-1])
     by_name: collections.Counter = collections.Counter()
+    by_op: collections.defaultdict = collections.defaultdict(collections.Counter)
     spans = []
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU"):
@@ -322,6 +326,8 @@ def trace_summary(folder: str, top: int = 12) -> dict:
                 continue
             for ev in line.events:
                 by_name[ev.name] += ev.duration_ns
+                op = dict(ev.stats).get("hlo_op", "?")
+                by_op[ev.name][f"{dict(ev.stats).get('hlo_module', '?')}/{op}"] += ev.duration_ns
                 spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
     if not spans:
         return {}
@@ -337,7 +343,9 @@ def trace_summary(folder: str, top: int = 12) -> dict:
     window = spans[-1][1] - spans[0][0]
     total = sum(by_name.values())
     return {"window_ms": window / 1e6, "device_busy": busy / window,
-            "kernels": [(name[:70], ns / 1e6, ns / total) for name, ns in by_name.most_common(top)]}
+            "kernels": [(name[:70], ns / 1e6, ns / total) for name, ns in by_name.most_common(top)],
+            "ops": {name[:70]: [(op[:90], ns / 1e6) for op, ns in by_op[name].most_common(4)]
+                    for name, _ in by_name.most_common(top)}}
 
 
 BATCH_BUCKETS = ((1, 8), (9, 32), (33, 64), (65, 128), (129, 256), (257, 1 << 20))
@@ -530,7 +538,7 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     """Offline throughput of a random model with Llama-3-8B's shapes (bf16) on a synthetic
     ShareGPT-like workload, measured the way vLLM's benchmark_throughput does: every request
     submitted at once, ``ignore_eos``, wall time from the first step to the last token."""
-    from bench_common import ModelCost, make_workload, run_offline
+    from bench_common import CompileCounter, ModelCost, make_workload, run_offline
 
     from jaxpaged import LLM
     from jaxpaged.config import LlamaConfig
@@ -567,19 +575,26 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     # host. Only meaningful with async scheduling off (the device is idle at the launch), so
     # a separate pass. On a GPU the launch itself takes milliseconds (the host enqueues every
     # layer's kernels), so the wait in collect alone would undercount.
+    counter = CompileCounter.get()
+    skipped = [0]  # steps of the synchronous pass that compiled something: not step times
+
     def timed_dispatch(out, prev=None):
-        shapes_before = len(runner.compiled_shapes)
+        shapes_before, compiles_before = len(runner.compiled_shapes), counter.snapshot()[0]
         step = dispatch(out, prev)
         if step is not None:
             chunks[id(step)] = ([(s.start, s.num_new_tokens, s.num_samples > 0) for s in out.scheduled],
-                                launch_t0[0], len(runner.compiled_shapes) > shapes_before)
+                                launch_t0[0], len(runner.compiled_shapes) > shapes_before, compiles_before)
         return step
 
     def timed_collect(step):
         res = collect(step)
         if step is not None:
-            c, t0, new_shape = chunks.pop(id(step))
-            if not new_shape:  # a shape the warm-up did not see compiles here: not a step time
+            c, t0, new_shape, compiles_before = chunks.pop(id(step))
+            # A shape the warm-up did not see, or any XLA compilation (a jit cache miss the
+            # shape keys cannot see, say a synchronous-only variant), is not a step time.
+            if new_shape or counter.snapshot()[0] > compiles_before:
+                skipped[0] += 1
+            else:
                 records.append((c, time.perf_counter() - t0))
         return res
 
@@ -613,7 +628,11 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     if not args.lean:
         llm.core.async_scheduling, runner.dispatch, runner.collect = False, timed_dispatch, timed_collect
         runner._launch = timed_launch
+        before = collections.Counter(counter.count)
         run_offline(llm, sub.with_fresh_ids(3, cfg.vocab_size), "per-step device times", progress=False)
+        compiled = counter.count - before
+        print(f"synchronous pass: {len(records)} steps timed, {skipped[0]} left out (they compiled: "
+              + ", ".join(f"{n} x{k}" for n, k in compiled.most_common()) + ")")
         llm.core.async_scheduling, runner.dispatch, runner.collect, runner._launch = True, dispatch, collect, launch
     e = run.engine_stats
     steps = e["num_steps"]
@@ -666,6 +685,8 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
               "top kernels (ms, share of kernel time):")
         for name, ms, share in tr["kernels"]:
             print(f"    {ms:>9.1f}  {share:>5.1%}  {name}")
+            for op, op_ms in tr["ops"][name]:
+                print(f"    {'':>9}  {op_ms:>7.1f} ms  {op}")
     return row
 
 

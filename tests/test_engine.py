@@ -224,6 +224,37 @@ def test_compiled_shapes_bounded_over_mixed_workload(tiny_engine_model):
     assert_no_leak(llm)
 
 
+def test_steps_with_and_without_pending_tokens_share_one_executable():
+    """A step shape compiles once, whether its token ids all come from the host (synchronous
+    steps, or async ones with no pending token) or partly from the step before (async
+    scheduling fills them in on the device). Host ids were once left uncommitted, so every
+    shape seen both ways compiled twice. A model of its own, so no other test's executables
+    are in ``_forward``'s cache."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.loader import LoadedModel
+    from jaxpaged.model import Llama
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=3,
+                      num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+    model = Llama(cfg, dtype=jnp.float32, attention_backend="xla", rngs=nnx.Rngs(0))
+    llm = make(LoadedModel(model, None, cfg, "random"), debug_checks=False, max_num_seqs=8,
+               max_num_batched_tokens=64, num_blocks=120, enable_prefix_caching=False)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 96, int(rng.integers(1, 60))).tolist() for _ in range(24)]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(rng.integers(1, 16))) for _ in prompts]
+    executables = runner._forward._cache_size()
+    llm.core.async_scheduling = False
+    sync = tokens(llm.generate(prompts, params, use_tqdm=False))
+    llm.core.async_scheduling = True
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == sync
+    shapes = {k for k in llm.runner.compiled_shapes if k[0] == "forward"}
+    assert runner._forward._cache_size() - executables == len(shapes)
+    assert_no_leak(llm)
+
+
 def test_steps_past_256_tokens_pad_to_quarter_octaves_and_keep_tokens(tiny_engine_model):
     """A prefill step of 395 tokens runs at T = 448, and a mixed one (3 decodes and a
     300-token prompt) at 320, not at the next power of two; every request gets the tokens

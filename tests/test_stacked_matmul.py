@@ -219,7 +219,7 @@ def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
 def test_mixed_steps_up_to_the_token_bound_read_the_weights_in_place(extra, sites):
     """Steps of at most ``STACKED_MAX_TOKENS`` tokens (continuous batching's decode + prefill
     chunks) take the kernel for all seven projections (four launches) when lowered for CUDA; bigger prefill
-    steps keep XLA's matmul (cuBLAS outruns the kernel there, measured on an H100)."""
+    steps keep XLA's matmul."""
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.config import LlamaConfig
     from jaxpaged.kv_cache import init_kv_pool

@@ -20,13 +20,13 @@ A program walks K (or its split's share, :func:`default_splits`) in ``block_k`` 
 accumulating ``[block_t, block_n]`` in float32 (Triton pipelines the loop's loads over
 ``num_stages``). :func:`grouped_stacked_matmul` runs several stacks of one input in one
 launch (q, k and v; gate and up), each program picking the stack of its output tile.
-Used for steps of at most ``model.STACKED_MAX_TOKENS`` (1,024) tokens: decode steps and the
+Used for steps of at most ``model.STACKED_MAX_TOKENS`` (2,048) tokens: decode steps and the
 mixed decode + prefill-chunk steps of continuous batching, for all seven projections (q, k,
-v, o as free reshapes of their stacks). Bigger prefill steps keep XLA's matmul: there the
-copy is paid once for thousands of tokens and cuBLAS caught up with the columns-first
-launch (measured on an H100, ``scripts/bench_gpu.py --only matmul``: a layer's
-projections 957 vs 1,045 us at 1,024 tokens, 1,729 vs 1,589 us at 2,048; with the token
-tiles first and today's tiles, 747 vs 991 us at 1,024, and 2,048 not yet measured).
+v, o as free reshapes of their stacks). Bigger prefill steps keep XLA's matmul, where the
+copy is paid once for thousands of tokens (measured on an H100, ``scripts/bench_gpu.py
+--only matmul``, a Llama-3-8B layer's projections, kernel vs XLA: with the token tiles
+first, 747 vs 991 us at 1,024 tokens and 1,411 vs 1,654 us at 2,048; the columns-first
+launch before lost at 2,048, 1,729 vs 1,589 us).
 
 On CPU the kernel runs in the Pallas interpreter (tests only).
 """
