@@ -245,7 +245,8 @@ class ModelRunner:
         if batch.token_src is not None:
             self.compiled_shapes.add(("fill", len(tokens), len(prev.sampled.tokens)))
             tokens = _fill_pending(tokens, batch.token_src, prev.sampled.tokens)
-        tokens = jax.device_put(tokens, self._token_sharding)  # a no-op for the filled ones
+        else:
+            tokens = jax.device_put(tokens, self._token_sharding)
         sampled, prompt_lp = self._launch(batch, tokens, sm, num_logprobs=num_logprobs,
                                           num_prompt_logprobs=num_prompt_lp, use_penalties=use_penalties)
         for x in jax.tree.leaves((sampled, prompt_lp)):
