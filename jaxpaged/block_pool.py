@@ -184,6 +184,7 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}  # block hash -> the one block registered under it
         self.stats = PrefixCacheStats()
         self.num_used = 0  # blocks with ref_cnt > 0
+        self.num_refs = 0  # sum of ref_cnt: num_used exactly when no block is shared
         self.num_cached_free = 0  # blocks with ref_cnt == 0 that hold a cached prefix
         self.peak_used = 0
 
@@ -204,6 +205,7 @@ class BlockPool:
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
+        self.num_refs += 1
         self._count_used()
         return block
 
@@ -216,12 +218,14 @@ class BlockPool:
             self.num_cached_free -= 1
             self._count_used()
         block.ref_cnt += 1
+        self.num_refs += 1
 
     def free(self, block: Block) -> None:
         """ref - 1; at zero a cached block joins the LRU tail, any other the head."""
         if block.ref_cnt <= 0:
             raise RuntimeError(f"block {block.block_id} freed with ref_cnt={block.ref_cnt}")
         block.ref_cnt -= 1
+        self.num_refs -= 1
         if block.ref_cnt == 0:
             self.num_used -= 1
             if block.block_hash is None:
@@ -309,6 +313,7 @@ class BlockPool:
                 cached += b.ref_cnt == 0
         invariant(all(b.block_hash == h for h, b in self.cached.items()), "a cache entry's block has another hash")
         free = len(self.free_queue) - cached
+        invariant(self.num_refs == sum(b.ref_cnt for b in self.blocks), f"num_refs {self.num_refs}")
         invariant(used == self.num_used and cached == self.num_cached_free and free + used + cached
                   == self.num_usable and self.peak_used >= used, f"counts: used {used} ({self.num_used}), cached "
                   f"{cached} ({self.num_cached_free}), free {free}, usable {self.num_usable}")

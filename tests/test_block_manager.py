@@ -731,10 +731,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.bm.check_invariants()
+        fill = {}  # device block -> the most tokens any table holds in it
         for sid, s in self.seqs.items():
             assert self.bm.is_swapped(sid) == (s["host"] is not None)
             assert self.bm.num_computed_tokens(sid) == self.bm.num_tokens(sid) <= len(s["tokens"])
             self.check_reads(sid)
+            if s["host"] is None:
+                n = self.bm.num_tokens(sid)
+                for j, b in enumerate(self.bm.block_table(sid)):
+                    fill[b] = max(fill.get(b, 0), min(max(n - j * BS, 0), BS))
+        assert self.bm.stats().tokens_stored == sum(fill.values())  # shared blocks counted once
 
     def teardown(self):
         for sid in list(self.seqs):
