@@ -306,7 +306,6 @@ def trace_summary(folder: str, top: int = 25) -> dict:
     the kernels that took most of it (merged over streams), and for each the HLO ops (the
     trace's ``hlo_op`` stat) that launched it, so a copy or transpose can be traced to its
     op in the step."""
-    import collections
     import glob
 
     from jax.profiler import ProfileData
@@ -326,8 +325,8 @@ def trace_summary(folder: str, top: int = 25) -> dict:
                 continue
             for ev in line.events:
                 by_name[ev.name] += ev.duration_ns
-                op = dict(ev.stats).get("hlo_op", "?")
-                by_op[ev.name][f"{dict(ev.stats).get('hlo_module', '?')}/{op}"] += ev.duration_ns
+                stats = dict(ev.stats)
+                by_op[ev.name][f"{stats.get('hlo_module', '?')}/{stats.get('hlo_op', '?')}"] += ev.duration_ns
                 spans.append((ev.start_ns, ev.start_ns + ev.duration_ns))
     if not spans:
         return {}
