@@ -240,11 +240,11 @@ def test_steps_with_and_without_pending_tokens_share_one_executable():
     cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=3,
                       num_kv_heads=1, head_dim=16, max_position_embeddings=256)
     model = Llama(cfg, dtype=jnp.float32, attention_backend="xla", rngs=nnx.Rngs(0))
-    llm = make(LoadedModel(model, None, cfg, "random"), debug_checks=False, max_num_seqs=8,
-               max_num_batched_tokens=64, num_blocks=120, enable_prefix_caching=False)
+    llm = make(LoadedModel(model, None, cfg, "random"), debug_checks=False, max_num_seqs=4,
+               max_num_batched_tokens=32, num_blocks=60, enable_prefix_caching=False)
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, 96, int(rng.integers(1, 60))).tolist() for _ in range(24)]
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(rng.integers(1, 16))) for _ in prompts]
+    prompts = [rng.integers(3, 96, int(rng.integers(1, 30))).tolist() for _ in range(8)]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(rng.integers(1, 8))) for _ in prompts]
     executables = runner._forward._cache_size()
     llm.core.async_scheduling = False
     sync = tokens(llm.generate(prompts, params, use_tqdm=False))
