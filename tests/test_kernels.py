@@ -31,10 +31,11 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxpaged.compat import abstract_gpu
+from jaxpaged.pallas import common
+from jaxpaged.pallas import xla as xla_attention
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
 from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
-from jaxpaged.pallas import xla as xla_attention
 from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
 from paged import dot_precisions
 
@@ -240,10 +241,10 @@ class TestXlaKernels:
 
     def test_chunk_plan_covers_the_blocks_within_half_a_chunk(self):
         for chunk in range(1, 11):
-            half = xla_attention.common.next_power_of_2(chunk) // 2
+            half = common.next_power_of_2(chunk) // 2
             for n_blocks in range(4 * chunk):
-                n_full, pieces = xla_attention._chunk_plan(jnp.int32(n_blocks), chunk)
-                read = [(int(start), size) for size, start, run in pieces if bool(run)]
+                n_full, piece = xla_attention._chunk_plan(jnp.int32(n_blocks), chunk)
+                read = [(int(piece[1]), piece[0])] if piece is not None and bool(piece[2]) else []
                 starts = [c * chunk for c in range(int(n_full))] + [s for s, _ in read]
                 sizes = [chunk] * int(n_full) + [n for _, n in read]
                 assert starts == list(np.cumsum([0] + sizes)[:-1]), (chunk, n_blocks)

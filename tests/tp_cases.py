@@ -156,7 +156,7 @@ def test_default_model_tp3_same_tokens_and_logits(smollm):
     the exact logits and tp=3 vs tp=1 1.58e-4). So the checks are against the exact logits:
     tp=3 and tp=1 within 2e-4 of float64 (tp=3 measured 1.04e-4 off on the Xeon once the XLA
     attention loops read their last blocks in a half-chunk piece, another summation order),
-    and so the two within 4e-4 of each other. A wrong shard would be off by orders of magnitude
+    and the two within 3e-4 of each other. A wrong shard would be off by orders of magnitude
     more.
     """
     prompts, want_tokens, want = greedy_logits(smollm.model)

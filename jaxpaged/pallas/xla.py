@@ -89,7 +89,7 @@ def _chunk_plan(n_blocks, chunk: int):
     """How the attention loops cover a batch's ``n_blocks`` (traced: the longest context's
     blocks): ``n_blocks // chunk`` full chunks, then what is left either in one piece of
     ``half`` a chunk (the largest power of two below ``chunk``) when it fits, or as one more
-    full chunk. Returns ``(n_full, [(half, start, run)])`` (no piece for chunks of 1 block).
+    full chunk. Returns ``(n_full, (half, start, run))``, the piece None for chunks of 1 block.
 
     Without the piece, every row paid for the last chunk's whole width: 48 rows at contexts
     140-160, chunks of 2 blocks of 64, read 256 keys a row where 192 hold the context (now
@@ -103,8 +103,19 @@ def _chunk_plan(n_blocks, chunk: int):
     left = n_blocks - n_full * chunk
     half = common.next_power_of_2(chunk) // 2
     if half == 0:
-        return n_full, []
-    return n_full + (left > half), [(half, n_full * chunk, (left > 0) & (left <= half))]
+        return n_full, None
+    return n_full + (left > half), (half, n_full * chunk, (left > 0) & (left <= half))
+
+
+def _over_blocks(n_blocks, chunk: int, step, carry):
+    """``step(start, size, carry)`` over the blocks ``_chunk_plan`` reads: a loop of full
+    chunks, then the piece under a conditional."""
+    n_full, piece = _chunk_plan(n_blocks, chunk)
+    carry = lax.fori_loop(0, n_full, lambda c, x: step(c * chunk, chunk, x), carry)
+    if piece is not None:
+        size, start, run = piece
+        carry = lax.cond(run, functools.partial(step, start, size), lambda x: x, carry)
+    return carry
 
 
 def _padded_width(width: int, chunk: int) -> int:
@@ -160,11 +171,7 @@ def _blocked_attention(qb, bt, row_pos, kv_len, k_pool, v_pool, *, scale: float,
     carry = (jnp.zeros((B, KVH, M, D), jnp.float32),
              jnp.full(stat_shape, common.MASK_VALUE, jnp.float32),
              jnp.zeros(stat_shape, jnp.float32))
-    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C)
-    carry = lax.fori_loop(0, n_full, lambda c, carry: body(c * C, C, carry), carry)
-    for size, start, run in pieces:
-        carry = lax.cond(run, functools.partial(body, start, size), lambda carry: carry, carry)
-    o, m, l = carry
+    o, m, l = _over_blocks((jnp.max(kv_len) + BS - 1) // BS, C, body, carry)
     if keys_axis == 2:
         l = l[:, :, 0, :, None]
     return o / jnp.where(l > 0, l, 1.0)
@@ -192,15 +199,13 @@ def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_
     read_k = _block_reader(k_pool, bt)
     read_v = _block_reader(v_pool, bt)
     q32 = qg.astype(jnp.float32) * scale
-    n_full, pieces = _chunk_plan((jnp.max(kv_len) + BS - 1) // BS, C)
+    n_blocks = (jnp.max(kv_len) + BS - 1) // BS
 
     def logits(start, size, s):  # s [B, KVH, NW, G]; positions past the context stay unwritten
         s_c = jnp.einsum("bknd,bkgd->bkng", read_k(start, size), q32, precision=_HIGHEST)
         return lax.dynamic_update_slice_in_dim(s, s_c, start * BS, axis=2)
 
-    s = lax.fori_loop(0, n_full, lambda c, s: logits(c * C, C, s), jnp.zeros((B, KVH, NW, G), jnp.float32))
-    for size, start, run in pieces:
-        s = lax.cond(run, functools.partial(logits, start, size), lambda s: s, s)
+    s = _over_blocks(n_blocks, C, logits, jnp.zeros((B, KVH, NW, G), jnp.float32))
     # Logits come out of the dot as [.., keys, heads] (the shape XLA:CPU multiplies
     # fastest; transposing each chunk inside the loop is 10-20% slower end to end) and
     # are transposed once so that the softmax reduces over the minor axis.
@@ -216,10 +221,7 @@ def _two_pass_decode(qg, bt, kv_len, k_pool, v_pool, *, scale: float, pages_per_
         p_c = lax.dynamic_slice_in_dim(p, start * BS, size * BS, axis=3)
         return o + jnp.einsum("bkgn,bknd->bkgd", p_c, v, precision=_HIGHEST)
 
-    o = jnp.zeros((B, KVH, G, D), jnp.float32)
-    o = lax.fori_loop(0, n_full, lambda c, o: weighted_values(c * C, C, o), o)
-    for size, start, run in pieces:
-        o = lax.cond(run, functools.partial(weighted_values, start, size), lambda o: o, o)
+    o = _over_blocks(n_blocks, C, weighted_values, jnp.zeros((B, KVH, G, D), jnp.float32))
     return o / l
 
 
@@ -342,10 +344,10 @@ def _xla_ragged(q, k_pool, v_pool, layer, block_tables, context_lens, query_star
     T, Hq, D = q.shape
     L, NB, KVH, BS, _ = k_pool.shape
     G = Hq // KVH
-    C = pages_per_chunk or _default_chunk(common.num_q_blocks(T, block_tables.shape[0], block_q), BS)
+    C = min(pages_per_chunk or _default_chunk(common.num_q_blocks(T, block_tables.shape[0], block_q), BS),
+            block_tables.shape[1])  # no chunk wider than the table
     if debug:
         common.debug_check_block_tables(block_tables, NB)
-    C = min(C, block_tables.shape[1])  # no chunk wider than the table
     width = _padded_width(block_tables.shape[1], C)
     bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, width)
     (qb_seq, qb_tok0, qb_nq, qb_pos0), (tok_block, tok_row, tok_valid) = common.q_block_schedule(
