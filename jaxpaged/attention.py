@@ -40,7 +40,8 @@ backend its platform is left out, so lowering for it fails, and on this process'
 platform the kernel's error is raised right away.
 
 Decode-only steps (``md.decode_only``) use the decode kernels (one query per sequence,
-split-K for long tables); all other steps use the ragged kernels.
+split-K for long tables); all other steps use the ragged kernels (on GPU, or their
+decode rows the decode kernel: ``ragged_paged_attention.MIXED_DECODE_ROWS``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.pallas.common import check_paged_inputs
 from jaxpaged.pallas.paged_attention import paged_decode_attention
-from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.pallas import ragged_paged_attention as gpu_ragged
+from jaxpaged.pallas.ragged_paged_attention import mixed_paged_attention, ragged_paged_attention
 from jaxpaged.pallas.reference import ref_ragged_paged_attention
 from jaxpaged.pallas.tpu_common import HLO_INTERPRETER
 from jaxpaged.pallas.tpu_paged_attention import tpu_paged_decode_attention
@@ -122,6 +124,12 @@ def _attend(impl: str, interpret: bool, q, k_pool, v_pool, layer, block_tables, 
         interpret = HLO_INTERPRETER  # not TPU interpret mode: its callbacks break TPU lowering (see there)
     if decode:
         return decode_fn(*args, scale=scale, num_splits=num_splits, interpret=interpret, debug=debug)
+    if gpu_ragged.MIXED_DECODE_ROWS not in ("ragged", "split"):
+        raise ValueError(f"ragged_paged_attention.MIXED_DECODE_ROWS={gpu_ragged.MIXED_DECODE_ROWS!r}: "
+                         "'ragged' or 'split'")
+    if impl == "pallas_gpu" and gpu_ragged.MIXED_DECODE_ROWS == "split":
+        return mixed_paged_attention(*args, query_start_loc, scale=scale, num_splits=num_splits,
+                                     interpret=interpret, debug=debug)
     return ragged_fn(*args, query_start_loc, scale=scale, interpret=interpret, debug=debug)
 
 

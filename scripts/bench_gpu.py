@@ -54,9 +54,10 @@ import bench_kernels
 from bench_common import new_figure, random_params, save_figure, save_json
 from bench_kernels import contiguous_cache, contiguous_dense
 
-from jaxpaged.padding import next_power_of_2
+from jaxpaged.padding import next_power_of_2, row_bucket, token_bucket
+from jaxpaged.pallas import ragged_paged_attention as gpu_ragged
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
-from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.pallas.ragged_paged_attention import mixed_paged_attention, ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
 
@@ -235,6 +236,84 @@ def prefill_table():
             t = per_call(f, *args, n=5)
             print(f"{shape[0]:<14}{S:>6}{n:>8}  {name:<12}{t * 1e3:>9.2f}{flops / t / 1e12:>9.1f}{err:>10.1e}",
                   flush=True)
+
+
+def mixed_inputs(decode_rows: int, prompts: int, prompt_len: int, *, seed: int = 0, block_size: int = 16):
+    """One mixed step at Llama-3-8B's attention shapes (bf16), padded as the engine pads it:
+    ``decode_rows`` rows of one token at contexts 64-1,024, then ``prompts`` fresh prompt
+    chunks of ``prompt_len`` tokens; a pool of two layers (the timed loop alternates them)."""
+    _, hq, kvh, d = LLAMA8B
+    rng = np.random.default_rng(seed)
+    ctx = np.concatenate([rng.integers(64, 1025, decode_rows), np.full(prompts, prompt_len)])
+    q_len = np.concatenate([np.ones(decode_rows, int), np.full(prompts, prompt_len)])
+    S, T = row_bucket(len(ctx)), token_bucket(int(q_len.sum()))
+    need = -(-ctx // block_size)
+    W = next_power_of_2(int(need.max()))
+    nb = 1 + int(need.sum())
+    tables = np.zeros((S, W), np.int32)
+    ids = rng.permutation(np.arange(1, nb))
+    for s, (i, n) in enumerate(zip(np.cumsum(need) - need, need)):
+        tables[s, :n] = ids[i:i + n]
+    shape = (2, nb, kvh, block_size, d)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((T, hq, d), np.float32), jnp.bfloat16)
+    lens = np.zeros(S, np.int32)
+    lens[:len(ctx)] = ctx
+    qsl = np.full(S + 1, q_len.sum(), np.int32)
+    qsl[:len(ctx) + 1] = np.concatenate([[0], np.cumsum(q_len)])
+    return q, k, v, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(qsl)
+
+
+def mixed_table(quick: bool) -> list[dict]:
+    """Attention of a busy mixed step (decode rows beside prompt chunks) per layer, each
+    way the GPU path can run it (``ragged_paged_attention``'s module settings), timed as
+    20 calls inside one jitted loop over two layers (2 with ``quick``, which runs on CPU)."""
+    cases = [(254, 2, 200), (192, 1, 512), (32, 4, 480)]
+    if quick:
+        cases = [(14, 1, 30)]
+    ways = [(mixed, rule, layout) for layout in ("packed", "direct") for mixed in ("ragged", "split")
+            for rule in ("fixed", "mean")]
+    print("\n## Mixed steps, one layer, Llama-3-8B attention shapes (bf16, blocks of 16): us per call; "
+          "'decode + prompts alone' = the decode kernel over the decode rows plus the ragged kernel over the "
+          "prompt rows, as two steps would run them")
+    print(f"{'decode rows':>12}{'prompts':>8}{'tokens (padded)':>16}  {'way (mixed, rule, layout)':<26}"
+          f"{'block_q':>8}{'us':>9}{'max err':>10}")
+    rows, scale, reps = [], LLAMA8B[3] ** -0.5, 2 if quick else 20
+    saved = gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT
+    for n_dec, n_prompt, plen in cases:
+        q, k, v, bt, lens, qsl = mixed_inputs(n_dec, n_prompt, plen)
+        T, S = q.shape[0], bt.shape[0]
+        ref = xla_ragged_paged_attention(q, k, v, jnp.int32(1), bt, lens, qsl, scale=scale)
+        for mixed, rule, layout in ways:
+            label = f"{mixed}, {rule}, {layout}"
+            gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = mixed, rule, layout
+            fn = mixed_paged_attention if mixed == "split" else ragged_paged_attention
+            block_q = gpu_ragged.default_block_q(T, S, next_power_of_2(LLAMA8B[1] // LLAMA8B[2]))
+            f = functools.partial(fn, scale=scale, block_q=block_q)
+            err = max_err(f(q, k, v, jnp.int32(1), bt, lens, qsl), ref)
+            loop = jax.jit(lambda q, k, v, bt, lens, qsl, f=f: jax.lax.fori_loop(
+                0, reps, lambda i, acc: acc + f(q, k, v, i % 2, bt, lens, qsl).astype(jnp.float32).sum(),
+                jnp.float32(0)))
+            t = per_call(loop, q, k, v, bt, lens, qsl, n=1 if quick else 3) / reps
+            rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
+                         "way": label, "block_q": block_q, "us": t * 1e6, "max_err": err})
+            print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {label:<26}{block_q:>8}{t * 1e6:>9.1f}{err:>10.1e}",
+                  flush=True)
+        # The floor a split could reach: the two parts as two steps would run them.
+        dq, dk, dv, dbt, dlens, _ = mixed_inputs(n_dec, 0, 0) if n_dec else (None,) * 6
+        pq, pk, pv, pbt, plens, pqsl = mixed_inputs(0, n_prompt, plen, seed=1)
+        dec = functools.partial(paged_decode_attention, scale=scale)
+        rag = functools.partial(ragged_paged_attention, scale=scale, block_q=gpu_ragged.BLOCK_Q)
+        loop = jax.jit(lambda *a: jax.lax.fori_loop(0, reps, lambda i, acc: acc + dec(
+            a[0][:a[4].shape[0]], a[1], a[2], i % 2, a[3], a[4]).astype(jnp.float32).sum() + rag(
+            *a[5:8], i % 2, *a[8:]).astype(jnp.float32).sum(), jnp.float32(0)))
+        t = per_call(loop, dq, dk, dv, dbt, dlens, pq, pk, pv, pbt, plens, pqsl, n=1 if quick else 3) / reps
+        rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
+                     "way": "decode + prompts alone", "us": t * 1e6})
+        print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {'decode + prompts alone':<26}{'':>8}{t * 1e6:>9.1f}", flush=True)
+    gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = saved
+    return rows
 
 
 def engine_table(quick, backends=("pallas", "xla")):
@@ -692,7 +771,8 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "engine", "llama8b", "matmul"),
+    ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "mixed", "engine", "llama8b",
+                                       "matmul"),
                     action="append")
     ap.add_argument("--num-requests", type=int, default=1000, help="llama8b: requests of the workload")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="llama8b")
@@ -712,11 +792,19 @@ def main():
     ap.add_argument("--no-grouped", action="store_true", help="one launch per projection (no q/k/v, gate/up groups)")
     ap.add_argument("--stacked-max-tokens", type=int,
                     help="steps of at most this many tokens use the stacked matmul (model.STACKED_MAX_TOKENS)")
+    ap.add_argument("--mixed", choices=("ragged", "split"),
+                    help="mixed steps' decode rows: in the ragged kernel, or split off to the decode kernel "
+                         "(ragged_paged_attention.MIXED_DECODE_ROWS)")
+    ap.add_argument("--block-q-rule", choices=("fixed", "mean"),
+                    help="the ragged kernel's query block (ragged_paged_attention.BLOCK_Q_RULE)")
+    ap.add_argument("--query-layout", choices=("packed", "direct"),
+                    help="the ragged kernel's queries packed per block, or read in place "
+                         "(ragged_paged_attention.QUERY_LAYOUT)")
     ap.add_argument("--lean", action="store_true",
                     help="llama8b: the timed run only (no synchronous pass, no profile)")
     args = ap.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or ("1GiB" if args.quick else "24GiB")
-    if jax.default_backend() != "gpu" and not (args.quick and set(args.only or ()) <= {"llama8b", "matmul"}):
+    if jax.default_backend() != "gpu" and not (args.quick and set(args.only or ()) <= {"llama8b", "matmul", "mixed"}):
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
     dev = jax.devices()[0]
     if args.no_split_k:
@@ -728,10 +816,17 @@ def main():
     if args.stacked_max_tokens is not None:
         from jaxpaged import model
         model.STACKED_MAX_TOKENS = args.stacked_max_tokens
+    if args.mixed:
+        gpu_ragged.MIXED_DECODE_ROWS = args.mixed
+    if args.block_q_rule:
+        gpu_ragged.BLOCK_Q_RULE = args.block_q_rule
+    if args.query_layout:
+        gpu_ragged.QUERY_LAYOUT = args.query_layout
     print(f"# bench_gpu  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  jax {jax.__version__}  "
           f"{dev.device_kind}  {os.cpu_count()} CPUs  split-K {'off' if args.no_split_k else 'auto'}  "
           f"grouped {'off' if args.no_grouped else 'on'}  stacked max tokens "
-          f"{args.stacked_max_tokens or 'default'}  "
+          f"{args.stacked_max_tokens or 'default'}  mixed {gpu_ragged.MIXED_DECODE_ROWS}  "
+          f"block_q rule {gpu_ragged.BLOCK_Q_RULE}  query layout {gpu_ragged.QUERY_LAYOUT}  "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.default_backend() == "gpu":
         copy_bw, bw, rates = ceilings()
@@ -740,7 +835,7 @@ def main():
     print(f"memory bandwidth: copy {copy_bw / 1e12:.2f} TB/s (read + write), sum {bw / 1e12:.2f} TB/s (read); "
           "matmul 8192^3 "
           + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()))
-    only = set(args.only or ("decode", "tune", "block-size", "prefill", "engine", "llama8b"))
+    only = set(args.only or ("decode", "tune", "block-size", "prefill", "mixed", "engine", "llama8b"))
     report = {"device": dev.device_kind, "jax": jax.__version__, "copy_bw": copy_bw, "read_bw": bw,
               "matmul_flops": rates}
     if "decode" in only:
@@ -753,6 +848,8 @@ def main():
         report["block_size"] = block_size_table(bw)
     if "prefill" in only:
         prefill_table()
+    if "mixed" in only:
+        report["mixed"] = mixed_table(args.quick)
     if "engine" in only:
         engine_table(args.quick, tuple(args.engine_backends.split(",")))
     restore_tiles = None

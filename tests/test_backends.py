@@ -265,6 +265,38 @@ def test_pallas_tpu_engine_in_tpu_interpret_mode(tiny_engine_model, xla_tokens):
     assert "callback" not in jaxpaged.runner._forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
 
 
+@pytest.fixture
+def fresh_traces():
+    """Module settings are read when a step is traced: no trace from before, none left after."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.cpu_host
+@pytest.mark.parametrize("mixed,layout", [("ragged", "packed"), ("split", "direct")])
+def test_pallas_gpu_engine_on_cpu_gives_the_xla_tokens(tiny_engine_model, xla_tokens, monkeypatch, mixed, layout,
+                                                       fresh_traces):
+    """The Triton kernels, interpreted, inside the engine's steps; the second step holds
+    two decode rows beside the last 13 tokens of a chunked prompt, which "split" hands to
+    the decode kernel (``ragged_paged_attention.MIXED_DECODE_ROWS``); "direct" reads the
+    queries in place (``QUERY_LAYOUT``)."""
+    from jaxpaged.pallas import ragged_paged_attention as gpu_ragged
+
+    monkeypatch.setattr(gpu_ragged, "MIXED_DECODE_ROWS", mixed)
+    monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", layout)
+    calls = []
+    for name in ("paged_decode_attention", "ragged_paged_attention", "mixed_paged_attention"):
+        kernel = getattr(jaxpaged.attention, name)
+        monkeypatch.setattr(jaxpaged.attention, name, functools.partial(_counted, kernel, calls, name))
+    llm = LLM(tiny_engine_model, attention_backend="pallas_gpu", **ENGINE)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == xla_tokens
+    ragged = "mixed_paged_attention" if mixed == "split" else "ragged_paged_attention"
+    assert {"paged_decode_attention", ragged} <= set(calls)
+    assert ({"mixed_paged_attention", "ragged_paged_attention"} - {ragged}).isdisjoint(calls)
+
+
 # ---- defaults on TPU ------------------------------------------------------------------
 
 

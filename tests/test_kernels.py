@@ -34,7 +34,8 @@ from jaxpaged.compat import abstract_gpu
 from jaxpaged.pallas import common
 from jaxpaged.pallas import xla as xla_attention
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
-from jaxpaged.pallas.ragged_paged_attention import ragged_paged_attention
+from jaxpaged.pallas import ragged_paged_attention as gpu_ragged
+from jaxpaged.pallas.ragged_paged_attention import default_block_q, mixed_paged_attention, ragged_paged_attention
 from jaxpaged.pallas.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
 from paged import dot_precisions
@@ -196,6 +197,34 @@ class TestPallasKernels:
                                      interpret=self.INTERPRET)
         assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
 
+    @pytest.mark.parametrize("case", SUBSET + SWEEP[4:8], ids=case_id)
+    def test_mixed_split(self, case):
+        # The one-token rows (a fresh one, one at bs - 1, one at 512) go to the decode
+        # kernel, the rest to the ragged kernel; the zero-length row and padding tokens to neither.
+        args, ref = ragged_inputs(case_id(case))
+        out = mixed_paged_attention(*args, scale=scale_for(case["head_dim"]), interpret=self.INTERPRET)
+        assert_matches(out, ref, case["dtype"])
+
+    @pytest.mark.parametrize("fn", [ragged_paged_attention, mixed_paged_attention], ids=["ragged", "mixed"])
+    @pytest.mark.parametrize("case", SUBSET + SWEEP[4:8], ids=case_id)
+    def test_direct_query_layout(self, case, fn, monkeypatch):
+        # Queries read and outputs written in place, masked stores; the groups of 3 (padded to 4),
+        # 1 (block_q 16 alone fills the rows) and 8.
+        monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", "direct")
+        args, ref = ragged_inputs(case_id(case))
+        out = fn(*args, scale=scale_for(case["head_dim"]), interpret=self.INTERPRET)
+        assert_matches(out, ref, case["dtype"])
+
+    def test_mixed_split_with_split_k_and_mean_block_q(self, monkeypatch):
+        monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "mean")
+        case = dict(block_size=16, ratio=4, head_dim=64, dtype=jnp.float32)
+        args, positions = ragged_case(7, **case)
+        assert default_block_q(args[0].shape[0], args[4].shape[0], 4) == 8  # 67 tokens over 9 rows
+        out = mixed_paged_attention(*args, scale=0.1, num_splits=3, interpret=self.INTERPRET)
+        assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
+        out = ragged_paged_attention(*args, scale=0.1, interpret=self.INTERPRET)  # block_q 8 by the rule
+        assert_matches(out, ref_ragged(*args, positions, scale=0.1), jnp.float32)
+
 
 @pytest.mark.skipif(not HAS_GPU, reason="native Pallas kernels need a GPU")
 class TestPallasKernelsNative(TestPallasKernels):
@@ -253,6 +282,25 @@ class TestXlaKernels:
                 assert covered - n_blocks < max(half, 1), (chunk, n_blocks)  # exact for chunks of 1, 2
 
 
+def test_block_q_rules(monkeypatch):
+    assert default_block_q(720, 256, 4) == gpu_ragged.BLOCK_Q == 16  # "fixed", the default
+    monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "mean")
+    assert default_block_q(720, 256, 4) == 4  # a busy mixed step: ~3 tokens a row
+    assert default_block_q(720, 256, 1) == 16  # no group to fill the 16 rows with
+    assert default_block_q(1024, 64, 4) == 16  # prompt chunks: capped at BLOCK_Q
+    assert default_block_q(300, 256, 8) == 2
+    monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "median")
+    with pytest.raises(ValueError, match="BLOCK_Q_RULE"):
+        default_block_q(720, 256, 4)
+
+
+def test_query_layout_is_checked(monkeypatch):
+    monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", "strided")
+    args, _ = ragged_case(0, block_size=16, ratio=3, head_dim=64, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="QUERY_LAYOUT='strided'"):
+        ragged_paged_attention(*args, scale=0.1, interpret=True)
+
+
 def test_split_k_is_chosen_for_long_tables_on_small_grids():
     assert auto_num_splits(2048, 8) == 1  # short table: single pass
     assert auto_num_splits(8192, 8) == 8  # long table, few programs: one partition per 1024 keys
@@ -286,10 +334,14 @@ def test_decode_lowers_to_triton(dtype, num_splits):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_lowers_to_triton(dtype):
+@pytest.mark.parametrize("layout", ["packed", "direct"])
+@pytest.mark.parametrize("fn", [ragged_paged_attention, mixed_paged_attention], ids=["ragged", "mixed"])
+def test_ragged_lowers_to_triton(dtype, fn, layout, monkeypatch):
+    monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", layout)
     args, _ = ragged_case(0, block_size=16, ratio=3, head_dim=64, dtype=dtype)
-    f = functools.partial(ragged_paged_attention, scale=0.125, interpret=False)
-    assert "__gpu$xla.gpu.triton" in _lower_for_cuda(f, *args)
+    f = functools.partial(fn, scale=0.125, interpret=False)
+    text = _lower_for_cuda(f, *args)
+    assert text.count("__gpu$xla.gpu.triton") == (2 if fn is mixed_paged_attention else 1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

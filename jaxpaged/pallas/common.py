@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from jaxpaged.padding import next_power_of_2  # noqa: F401  (re-exported for the kernels)
 
@@ -142,8 +142,11 @@ def num_q_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 
 def q_block_schedule(query_start_loc: Int[Array, "S+1"], context_lens: Int[Array, "S"],
-                     num_tokens: int, block_q: int):
+                     num_tokens: int, block_q: int, skip: Bool[Array, "S"] | None = None):
     """Cut every sequence's query chunk into blocks of ``block_q`` tokens.
+
+    Rows where ``skip`` holds get no block (another kernel attends them); their tokens'
+    entries are meaningless.
 
     Returns ``(blocks, (tok_block, tok_row, tok_valid))``:
 
@@ -156,6 +159,8 @@ def q_block_schedule(query_start_loc: Int[Array, "S+1"], context_lens: Int[Array
     S = context_lens.shape[0]
     NQB = num_q_blocks(num_tokens, S, block_q)
     q_len = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    if skip is not None:
+        q_len = jnp.where(skip, 0, q_len)
     nqb = (q_len + block_q - 1) // block_q
     qb_end = jnp.cumsum(nqb)  # blocks of sequences 0..s
     qb_start = qb_end - nqb

@@ -13,6 +13,25 @@ anywhere, mid-block included.
 Outputs are written per query block (``[NQB, KVH, block_q * group_pad, D]``, disjoint
 tiles, no masked stores) and gathered back to token order outside the kernel. Query
 blocks past the real ones (the grid is sized for the worst case) read nothing.
+
+A decode row of a mixed step (one query token beside other rows' prompt chunks) fills
+one row of a ``block_q``-token block, and the packed queries and outputs are sized for
+the worst case (``common.num_q_blocks``): at Llama-3-8B's group of 4, a busy step's
+~250 decode rows pack ~16x their bytes each way per layer. Two ways around it, chosen
+by the module settings below until a GPU measures them (``scripts/bench_gpu.py --only
+mixed`` times all of them on Llama-3-8B's shapes; ``--mixed``, ``--block-q-rule`` and
+``--query-layout`` run the engine either way):
+
+- ``BLOCK_Q_RULE = "mean"``: the query block follows the step's mean tokens per row
+  (:func:`default_block_q`), down to 16 tile rows, so such a step packs 4x less;
+- ``MIXED_DECODE_ROWS = "split"``: one-token rows go to the decode kernel
+  (:func:`mixed_paged_attention`), and this kernel runs no program's loop for them (the
+  packing stays sized for the worst case);
+- ``QUERY_LAYOUT = "direct"``: no packing at all; each program reads its block's queries
+  where they lie in ``q`` and writes its outputs there, masked to the block's real tokens
+  (:func:`_ragged_kernel_direct`).
+
+The settings combine; they are read when a step is traced.
 """
 
 from __future__ import annotations
@@ -24,34 +43,43 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxpaged.pallas import common
+from jaxpaged.pallas.paged_attention import paged_decode_attention
+
+BLOCK_Q = 16  # query tokens per block under the "fixed" rule, and the most under "mean"
+BLOCK_Q_RULE = "fixed"  # or "mean": see default_block_q
+QUERY_LAYOUT = "packed"  # or "direct": see _ragged_kernel_direct
+MIXED_DECODE_ROWS = "ragged"  # or "split": see mixed_paged_attention
 
 
-def _ragged_kernel(
-    qb_seq_ref,  # [NQB] int32: sequence of each query block
-    qb_nq_ref,  # [NQB] int32: real tokens in the block (0 = padding block)
-    qb_pos_ref,  # [NQB] int32: position of the block's first token
-    bt_ref,  # [S, Wp] int32 block ids, layer folded in, whole array
-    q_ref,  # [M, D], M = block_q * group_pad
-    k_ref,  # [L * NB, KVH, BS, D], whole pool
-    v_ref,  # [L * NB, KVH, BS, D], whole pool
-    o_ref,  # [M, D]
-    *,
-    scale: float,
-    block_size: int,
-    pages_per_chunk: int,
-    group_pad: int,
-):
-    b, h = pl.program_id(0), pl.program_id(1)
-    M, head_dim = q_ref.shape
+def default_block_q(num_tokens: int, num_seqs: int, group_pad: int) -> int:
+    """Query tokens per block for a step of ``num_tokens`` tokens over ``num_seqs`` rows
+    (both padded, so static): ``BLOCK_Q`` under the "fixed" rule; under "mean", the mean
+    tokens per row rounded up to a power of two, at least ``16 / group_pad`` (a Triton dot
+    takes >= 16 rows) and at most ``BLOCK_Q``.
+
+    >>> BLOCK_Q_RULE, default_block_q(720, 256, 4), default_block_q(8192, 256, 4)
+    ('fixed', 16, 16)
+    """
+    if BLOCK_Q_RULE == "fixed":
+        return BLOCK_Q
+    if BLOCK_Q_RULE != "mean":
+        raise ValueError(f"BLOCK_Q_RULE={BLOCK_Q_RULE!r}: 'fixed' or 'mean'")
+    mean = common.next_power_of_2(-(-num_tokens // max(num_seqs, 1)))
+    return min(BLOCK_Q, max(mean, -(-16 // group_pad)))
+
+
+def _attend_block(q, seq, nq, pos0, h, bt_ref, k_ref, v_ref, *, scale: float, block_size: int,
+                  pages_per_chunk: int, group_pad: int):
+    """One query block's rows (``[M, D]``, row ``u * group_pad + g``) against its sequence's
+    keys up to its last token, online softmax; the normalised output, float32."""
+    M, head_dim = q.shape
     chunk = pages_per_chunk * block_size
-    seq, nq, pos0 = qb_seq_ref[b], qb_nq_ref[b], qb_pos_ref[b]
     kv_len = jnp.where(nq > 0, pos0 + nq, 0)  # keys [0, kv_len) are visible to some row
     n_pages = pl.cdiv(kv_len, block_size)
     row_pos = pos0 + lax.broadcasted_iota(jnp.int32, (M, 1), 0) // group_pad  # [M, 1]
-    q = q_ref[...]
 
     def body(c, carry):
         o, m, l = carry
@@ -76,7 +104,48 @@ def _ragged_kernel(
             jnp.full((M,), common.MASK_VALUE, jnp.float32),
             jnp.zeros((M,), jnp.float32))
     o, m, l = lax.fori_loop(0, pl.cdiv(n_pages, pages_per_chunk), body, init)
-    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    return o / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def _ragged_kernel(
+    qb_seq_ref,  # [NQB] int32: sequence of each query block
+    qb_nq_ref,  # [NQB] int32: real tokens in the block (0 = padding block)
+    qb_pos_ref,  # [NQB] int32: position of the block's first token
+    bt_ref,  # [S, Wp] int32 block ids, layer folded in, whole array
+    q_ref,  # [M, D], M = block_q * group_pad
+    k_ref,  # [L * NB, KVH, BS, D], whole pool
+    v_ref,  # [L * NB, KVH, BS, D], whole pool
+    o_ref,  # [M, D]
+    **kw,
+):
+    b, h = pl.program_id(0), pl.program_id(1)
+    o = _attend_block(q_ref[...], qb_seq_ref[b], qb_nq_ref[b], qb_pos_ref[b], h, bt_ref, k_ref, v_ref, **kw)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _ragged_kernel_direct(
+    qb_seq_ref, qb_nq_ref, qb_pos_ref,  # as in _ragged_kernel
+    qb_tok_ref,  # [NQB] int32: the block's first token
+    bt_ref,  # [S, Wp] int32 block ids, layer folded in, whole array
+    q_ref,  # [T, KVH, group_pad, D], whole array
+    k_ref,  # [L * NB, KVH, BS, D], whole pool
+    v_ref,  # [L * NB, KVH, BS, D], whole pool
+    o_ref,  # [T, KVH, group_pad, D], whole array
+    *,
+    block_q: int,
+    **kw,
+):
+    """The same attention, reading the block's queries where they lie and writing its
+    outputs there, masked to its real tokens (no packed copies)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    _, _, group_pad, head_dim = q_ref.shape
+    nq = qb_nq_ref[b]
+    rows = pl.ds(qb_tok_ref[b], block_q)
+    real = jnp.broadcast_to(lax.broadcasted_iota(jnp.int32, (block_q, 1, 1), 0) < nq,
+                            (block_q, group_pad, head_dim))
+    q = plt.load(q_ref.at[rows, h], mask=real, other=0).reshape(block_q * group_pad, head_dim)
+    o = _attend_block(q, qb_seq_ref[b], nq, qb_pos_ref[b], h, bt_ref, k_ref, v_ref, group_pad=group_pad, **kw)
+    plt.store(o_ref.at[rows, h], o.reshape(block_q, group_pad, head_dim).astype(o_ref.dtype), mask=real)
 
 
 def ragged_paged_attention(
@@ -89,12 +158,13 @@ def ragged_paged_attention(
     query_start_loc: Int[Array, "S+1"],
     *,
     scale: float,
-    block_q: int = 16,
+    block_q: int | None = None,
     pages_per_chunk: int | None = None,
     interpret: bool | None = None,
     debug: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
+    skip_rows: Bool[Array, "S"] | None = None,
 ) -> Float[Array, "T Hq D"]:
     """Causal attention of ragged query chunks over their sequences' paged K/V of one layer.
 
@@ -104,25 +174,31 @@ def ragged_paged_attention(
         tokens past ``query_start_loc[S]`` are padding and get zeros.
       k_pool, v_pool: the full stacked pool (this step's K/V already written).
       block_tables, context_lens: as for decode; ``context_lens`` counts this step's tokens.
-      block_q: query tokens per program (``block_q * next_power_of_2(group)`` >= 16 on GPU).
+      block_q: query tokens per program (``block_q * next_power_of_2(group)`` >= 16 on GPU);
+        default: :func:`default_block_q`.
       pages_per_chunk: blocks per loop step; default: 64 keys.
       interpret: run in the Pallas interpreter; default: on CPU.
       debug: range-check the block table at run time (it is checked at call time when
         it is a concrete array).
       num_warps, num_stages: Triton compiler knobs.
+      skip_rows: rows this kernel leaves out (their tokens' outputs are meaningless), for
+        :func:`mixed_paged_attention`.
     """
     common.check_paged_inputs(q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
                               decode=False, what="ragged_paged_attention")
+    if block_q is None:
+        G = q.shape[1] // k_pool.shape[2]
+        block_q = default_block_q(q.shape[0], block_tables.shape[0], common.next_power_of_2(G))
     return _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens,
-                                   query_start_loc, scale=scale, block_q=block_q,
+                                   query_start_loc, skip_rows, scale=scale, block_q=block_q,
                                    pages_per_chunk=pages_per_chunk, interpret=interpret, debug=debug,
                                    num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_q", "pages_per_chunk", "interpret", "debug", "num_warps", "num_stages"))
-def _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc, *,
-                            scale, block_q, pages_per_chunk, interpret, debug, num_warps, num_stages):
+def _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc, skip_rows,
+                            *, scale, block_q, pages_per_chunk, interpret, debug, num_warps, num_stages):
     what = "ragged_paged_attention"
     T, Hq, D = q.shape
     L, NB, KVH, BS, _ = k_pool.shape
@@ -140,24 +216,69 @@ def _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens
         common.debug_check_block_tables(block_tables, NB)
     bt = common.flat_block_ids(block_tables, context_lens, layer, NB, BS, pl.cdiv(W, ppc) * ppc)
     (qb_seq, qb_tok0, qb_nq, qb_pos0), (tok_block, tok_row, tok_valid) = common.q_block_schedule(
-        query_start_loc, context_lens, T, block_q)
+        query_start_loc, context_lens, T, block_q, skip_rows)
     NQB = qb_seq.shape[0]
     M = block_q * Gp
-    qb = common.pack_queries(q, qb_tok0, KVH, block_q, Gp)  # [NQB, KVH, M, D]
-
-    kernel = functools.partial(_ragged_kernel, scale=scale, block_size=BS, pages_per_chunk=ppc,
-                               group_pad=Gp)
     whole = pl.BlockSpec()
+    call = functools.partial(
+        pl.pallas_call, grid=(NQB, KVH), interpret=interpret,
+        compiler_params=None if interpret else plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    kw = dict(scale=scale, block_size=BS, pages_per_chunk=ppc)
+    pools = common.flat_pool(k_pool), common.flat_pool(v_pool)
+    if QUERY_LAYOUT == "direct":
+        qg = common.group_queries(q, KVH, Gp)  # [T, KVH, Gp, D]: a free reshape where the group is a power of two
+        o = call(functools.partial(_ragged_kernel_direct, block_q=block_q, **kw),
+                 in_specs=[whole] * 8, out_specs=whole, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+                 name=f"ragged_paged_direct_bs{BS}_bq{block_q}_g{Gp}_ppc{ppc}",
+                 )(qb_seq, qb_nq, qb_pos0, qb_tok0, bt, qg, *pools)
+        # Tokens no block holds (padding, skipped rows) were never written.
+        return jnp.where(tok_valid[:, None, None], common.ungroup_queries(o, Hq), 0).astype(q.dtype)
+    if QUERY_LAYOUT != "packed":
+        raise ValueError(f"QUERY_LAYOUT={QUERY_LAYOUT!r}: 'packed' or 'direct'")
+    qb = common.pack_queries(q, qb_tok0, KVH, block_q, Gp)  # [NQB, KVH, M, D]
     tile = pl.BlockSpec((None, None, M, D), lambda b, h: (b, h, 0, 0))
-    o_blocks = pl.pallas_call(
-        kernel,
-        grid=(NQB, KVH),
-        in_specs=[whole, whole, whole, whole, tile, whole, whole],
-        out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct((NQB, KVH, M, D), q.dtype),
-        interpret=interpret,
-        compiler_params=None if interpret else plt.CompilerParams(num_warps=num_warps,
-                                                                  num_stages=num_stages),
-        name=f"ragged_paged_bs{BS}_bq{block_q}_g{Gp}_ppc{ppc}",
-    )(qb_seq, qb_nq, qb_pos0, bt, qb, common.flat_pool(k_pool), common.flat_pool(v_pool))
+    o_blocks = call(functools.partial(_ragged_kernel, group_pad=Gp, **kw),
+                    in_specs=[whole, whole, whole, whole, tile, whole, whole], out_specs=tile,
+                    out_shape=jax.ShapeDtypeStruct((NQB, KVH, M, D), q.dtype),
+                    name=f"ragged_paged_bs{BS}_bq{block_q}_g{Gp}_ppc{ppc}",
+                    )(qb_seq, qb_nq, qb_pos0, bt, qb, *pools)
     return common.unpack_outputs(o_blocks, tok_block, tok_row, tok_valid, Hq, block_q)
+
+
+def mixed_paged_attention(
+    q: Float[Array, "T Hq D"],
+    k_pool: Float[Array, "L NB KVH BS D"],
+    v_pool: Float[Array, "L NB KVH BS D"],
+    layer: Int[Array, ""] | int,
+    block_tables: Int[Array, "S W"],
+    context_lens: Int[Array, "S"],
+    query_start_loc: Int[Array, "S+1"],
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    block_q: int | None = None,
+    interpret: bool | None = None,
+    debug: bool = False,
+) -> Float[Array, "T Hq D"]:
+    """:func:`ragged_paged_attention`'s contract, with the rows of one query token (a
+    mixed step's decode rows) run by :func:`~jaxpaged.pallas.paged_attention.paged_decode_attention`
+    and the other rows by the ragged kernel, as vLLM splits a batch into its decode and
+    prefill parts.
+
+    Both kernels run over all ``S`` rows (shapes are static): the decode kernel reads
+    nothing for the rows it does not take (their length goes in as 0), the ragged kernel
+    schedules no query block for them. ``num_splits`` goes to the decode kernel.
+    """
+    common.check_paged_inputs(q, k_pool, v_pool, block_tables, context_lens, query_start_loc,
+                              decode=False, what="mixed_paged_attention")
+    T, S = q.shape[0], context_lens.shape[0]
+    one = query_start_loc[1:] - query_start_loc[:-1] == 1  # [S]
+    last = jnp.clip(query_start_loc[1:] - 1, 0, T - 1)
+    dec = paged_decode_attention(q[last], k_pool, v_pool, layer, block_tables, jnp.where(one, context_lens, 0),
+                                 scale=scale, num_splits=num_splits, interpret=interpret, debug=debug)
+    rag = ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc,
+                                 scale=scale, block_q=block_q, interpret=interpret, debug=debug, skip_rows=one)
+    t = jnp.arange(T, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right") - 1, 0, S - 1)
+    take = one[row] & (t < query_start_loc[S])
+    return jnp.where(take[:, None, None], dec[row], rag)
