@@ -24,7 +24,7 @@ Backends (``backend=``):
 - ``"reference"``: the dense pure-jnp oracle (:mod:`jaxpaged.pallas.reference`).
 - ``"auto"`` (the default): ``"pallas_tpu"`` on TPU, ``"pallas_gpu"`` on GPU, ``"xla"``
   on CPU and anything else (measurements in ``scripts/bench_kernels.py``,
-  ``scripts/bench_gpu.py`` and the README: on an H100 the Pallas decode kernel is 8-20x
+  ``scripts/bench_gpu.py`` and docs/measurements.md: on an H100 the Pallas decode kernel is 8-20x
   faster than the XLA path; on CPU Pallas only interprets).
 
 **Selection rule.** The platform is the one the step is *lowered* for, not the one this

@@ -14,7 +14,7 @@
    is ``_default_block_q``), and beside it what an exact split would cost, the decode rows
    through the decode path and the prompt rows alone through the ragged one. (The engine
    does not split: a split at a bucketed count leaves some decodes in the ragged part,
-   and that measured no better; see the README's "not kept".)
+   and that measured no better; see docs/measurements.md's "not kept".)
 5. The CPU form's four projections (fused q/k/v, o, fused gate/up, down) over the default
    model's 30 layers, random weights, as the engine runs them (a ``lax.switch`` per layer
    inside a scan): ``[in, out]`` weights with the plain dot, with ``model._cpu_dot`` (a
