@@ -274,17 +274,16 @@ def fresh_traces():
 
 
 @pytest.mark.cpu_host
-@pytest.mark.parametrize("mixed,layout", [("ragged", "packed"), ("split", "direct")])
-def test_pallas_gpu_engine_on_cpu_gives_the_xla_tokens(tiny_engine_model, xla_tokens, monkeypatch, mixed, layout,
-                                                       fresh_traces):
-    """The Triton kernels, interpreted, inside the engine's steps; the second step holds
-    two decode rows beside the last 13 tokens of a chunked prompt, which "split" hands to
-    the decode kernel (``ragged_paged_attention.MIXED_DECODE_ROWS``); "direct" reads the
-    queries in place (``QUERY_LAYOUT``)."""
+def test_pallas_gpu_engine_with_every_mixed_step_switch_gives_the_xla_tokens(tiny_engine_model, xla_tokens,
+                                                                              monkeypatch, fresh_traces):
+    """The Triton kernels, interpreted, inside the engine's steps, with the mixed-step switches
+    of ``pallas/ragged_paged_attention.py`` on (the engine's default path is the Pallas
+    backend of ``test_engine_hf.py``). The second step holds two decode rows beside the last
+    13 tokens of a chunked prompt: they go to the decode kernel."""
     from jaxpaged.pallas import ragged_paged_attention as gpu_ragged
 
-    monkeypatch.setattr(gpu_ragged, "MIXED_DECODE_ROWS", mixed)
-    monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", layout)
+    for name, value in (("MIXED_DECODE_ROWS", "split"), ("BLOCK_Q_RULE", "mean"), ("QUERY_LAYOUT", "direct")):
+        monkeypatch.setattr(gpu_ragged, name, value)
     calls = []
     for name in ("paged_decode_attention", "ragged_paged_attention", "mixed_paged_attention"):
         kernel = getattr(jaxpaged.attention, name)
@@ -292,9 +291,8 @@ def test_pallas_gpu_engine_on_cpu_gives_the_xla_tokens(tiny_engine_model, xla_to
     llm = LLM(tiny_engine_model, attention_backend="pallas_gpu", **ENGINE)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == xla_tokens
-    ragged = "mixed_paged_attention" if mixed == "split" else "ragged_paged_attention"
-    assert {"paged_decode_attention", ragged} <= set(calls)
-    assert ({"mixed_paged_attention", "ragged_paged_attention"} - {ragged}).isdisjoint(calls)
+    assert {"paged_decode_attention", "mixed_paged_attention"} <= set(calls)
+    assert "ragged_paged_attention" not in calls  # mixed_paged_attention calls the module's own
 
 
 # ---- defaults on TPU ------------------------------------------------------------------
