@@ -10,8 +10,9 @@ full stacked pool through the block table, so cached prefix and this chunk are r
 same way (the step has written the chunk's K/V before attending). A chunk may start
 anywhere, mid-block included.
 
-Outputs are written per query block (``[NQB, KVH, block_q * group_pad, D]``, disjoint
-tiles, no masked stores) and gathered back to token order outside the kernel. Query
+In the default (packed) layout the queries are gathered per block before the kernel and
+its outputs written per query block (``[NQB, KVH, block_q * group_pad, D]``, disjoint
+tiles, no masked stores), then gathered back to token order outside it. Query
 blocks past the real ones (the grid is sized for the worst case) read nothing.
 
 A decode row of a mixed step (one query token beside other rows' prompt chunks) fills
