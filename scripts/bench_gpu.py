@@ -12,7 +12,10 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    the contiguous baseline (the cost of paging; the seeds report 1.04-1.15x).
 3. Tuning of the Pallas decode kernel (keys per loop step, warps, split-K partitions),
    each case twice, and the block-size sweep (4-64 tokens per block).
-4. Ragged prefill (Pallas vs XLA), causal attention FLOP/s.
+4. Ragged prefill (Pallas vs XLA), causal attention FLOP/s; and (``--only mixed``) a busy
+   mixed step's attention at Llama-3-8B shapes, each way ``ragged_paged_attention``'s
+   switches run it (decode rows split off, the query block's rule, the query layout),
+   beside its decode and prompt rows run as two steps.
 5. The engine end to end on a random model with the default model's shapes (SmolLM2-135M:
    same layers, heads and vocabulary, so the same FLOPs and bytes; random weights because
    the device machine cannot fetch the GGUF): many requests, ``ignore_eos``, fixed output
@@ -25,7 +28,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    figure: throughput, where the wall time goes by batch size, device time per step (a
    synchronous pass) and by tokens per step, a profile. ``--lean`` times the run alone;
    ``--no-split-k``, ``--no-grouped`` and ``JAXPAGED_COMMAND_BUFFERS=0`` measure the engine
-   without each, ``--stacked-max-tokens`` with another bound on the stacked matmul, and
+   without each, ``--stacked-max-tokens`` with another bound on the stacked matmul,
+   ``--mixed``, ``--block-q-rule`` and ``--query-layout`` with the mixed-step switches, and
    ``--ab-baseline`` (after ``--use-fastest-tiles``) again with the default tiles.
 
 Timings: a call is dispatched ``n`` times back to back and the device drained once, so
