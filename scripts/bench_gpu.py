@@ -304,7 +304,9 @@ def mixed_table(quick: bool) -> list[dict]:
                          "way": label, "block_q": block_q, "us": t * 1e6, "max_err": err})
             print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {label:<26}{block_q:>8}{t * 1e6:>9.1f}{err:>10.1e}",
                   flush=True)
-        # The floor a split could reach: the two parts as two steps would run them.
+        # The floor a split could reach: the two parts as two steps would run them (the settings
+        # as they were: the default packed layout unless the command line chose another).
+        gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = saved
         dq, dk, dv, dbt, dlens, _ = mixed_inputs(n_dec, 0, 0) if n_dec else (None,) * 6
         pq, pk, pv, pbt, plens, pqsl = mixed_inputs(0, n_prompt, plen, seed=1)
         dec = functools.partial(paged_decode_attention, scale=scale)

@@ -168,7 +168,7 @@ def q_block_schedule(query_start_loc: Int[Array, "S+1"], context_lens: Int[Array
     seq = jnp.clip(jnp.searchsorted(qb_end, b, side="right"), 0, S - 1).astype(jnp.int32)
     j = b - qb_start[seq]
     nq = jnp.where(b < qb_end[S - 1], jnp.clip(q_len[seq] - j * block_q, 0, block_q), 0)
-    tok0 = query_start_loc[seq] + j * block_q
+    tok0 = jnp.where(nq > 0, query_start_loc[seq] + j * block_q, 0)  # padding blocks: in range, touch nothing
     pos0 = context_lens[seq] - q_len[seq] + j * block_q
     blocks = tuple(x.astype(jnp.int32) for x in (seq, tok0, nq, pos0))
 

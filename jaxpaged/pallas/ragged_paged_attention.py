@@ -190,16 +190,21 @@ def ragged_paged_attention(
     if block_q is None:
         G = q.shape[1] // k_pool.shape[2]
         block_q = default_block_q(q.shape[0], block_tables.shape[0], common.next_power_of_2(G))
+    if QUERY_LAYOUT not in ("packed", "direct"):
+        raise ValueError(f"QUERY_LAYOUT={QUERY_LAYOUT!r}: 'packed' or 'direct'")
+    # The settings go in as static arguments: a module global read under the jit would be
+    # hidden by the trace cached for the same shapes.
     return _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens,
                                    query_start_loc, skip_rows, scale=scale, block_q=block_q,
                                    pages_per_chunk=pages_per_chunk, interpret=interpret, debug=debug,
-                                   num_warps=num_warps, num_stages=num_stages)
+                                   num_warps=num_warps, num_stages=num_stages, query_layout=QUERY_LAYOUT)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "block_q", "pages_per_chunk", "interpret", "debug", "num_warps", "num_stages"))
+    "scale", "block_q", "pages_per_chunk", "interpret", "debug", "num_warps", "num_stages", "query_layout"))
 def _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens, query_start_loc, skip_rows,
-                            *, scale, block_q, pages_per_chunk, interpret, debug, num_warps, num_stages):
+                            *, scale, block_q, pages_per_chunk, interpret, debug, num_warps, num_stages,
+                            query_layout):
     what = "ragged_paged_attention"
     T, Hq, D = q.shape
     L, NB, KVH, BS, _ = k_pool.shape
@@ -226,16 +231,15 @@ def _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens
         compiler_params=None if interpret else plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
     kw = dict(scale=scale, block_size=BS, pages_per_chunk=ppc)
     pools = common.flat_pool(k_pool), common.flat_pool(v_pool)
-    if QUERY_LAYOUT == "direct":
+    if query_layout == "direct":
         qg = common.group_queries(q, KVH, Gp)  # [T, KVH, Gp, D]: a free reshape where the group is a power of two
         o = call(functools.partial(_ragged_kernel_direct, block_q=block_q, **kw),
                  in_specs=[whole] * 8, out_specs=whole, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
                  name=f"ragged_paged_direct_bs{BS}_bq{block_q}_g{Gp}_ppc{ppc}",
                  )(qb_seq, qb_nq, qb_pos0, qb_tok0, bt, qg, *pools)
-        # Tokens no block holds (padding, skipped rows) were never written.
+        # Tokens no block holds were never written: padding gets zeros here; skipped rows'
+        # tokens keep whatever the buffer held (meaningless, as documented).
         return jnp.where(tok_valid[:, None, None], common.ungroup_queries(o, Hq), 0).astype(q.dtype)
-    if QUERY_LAYOUT != "packed":
-        raise ValueError(f"QUERY_LAYOUT={QUERY_LAYOUT!r}: 'packed' or 'direct'")
     qb = common.pack_queries(q, qb_tok0, KVH, block_q, Gp)  # [NQB, KVH, M, D]
     tile = pl.BlockSpec((None, None, M, D), lambda b, h: (b, h, 0, 0))
     o_blocks = call(functools.partial(_ragged_kernel, group_pad=Gp, **kw),
