@@ -23,6 +23,17 @@ def _release_compiled_executables():
         sys.modules["jax"].clear_caches()
 
 
+@pytest.fixture
+def fresh_traces():
+    """For tests that switch a setting read while tracing (a module constant, a monkeypatched
+    helper): a trace cached for the same shapes would hide it. None from before, none left after."""
+    import jax
+
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.cpu_host`` tests assert what a CPU-only process does (its interpreted
     kernels, its compiled programs, its default dtype); a GPU or TPU process does otherwise.

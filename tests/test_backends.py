@@ -265,14 +265,6 @@ def test_pallas_tpu_engine_in_tpu_interpret_mode(tiny_engine_model, xla_tokens):
     assert "callback" not in jaxpaged.runner._forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
 
 
-@pytest.fixture
-def fresh_traces():
-    """Module settings are read when a step is traced: no trace from before, none left after."""
-    jax.clear_caches()
-    yield
-    jax.clear_caches()
-
-
 @pytest.mark.cpu_host
 def test_pallas_gpu_engine_with_every_mixed_step_switch_gives_the_xla_tokens(tiny_engine_model, xla_tokens,
                                                                               monkeypatch, fresh_traces):

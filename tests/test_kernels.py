@@ -162,15 +162,6 @@ def ragged_inputs(cid):
     return args, ref_ragged(*args, positions, scale=scale_for(case["head_dim"]))
 
 
-@pytest.fixture
-def fresh_traces():
-    """A monkeypatch read while tracing is hidden by traces cached for the same shapes: none from
-    before, none left after."""
-    jax.clear_caches()
-    yield
-    jax.clear_caches()
-
-
 class TestPallasKernels:
     INTERPRET = True
 
