@@ -234,14 +234,20 @@ def xla_tokens(tiny_engine_model):
 def test_pallas_tpu_engine_on_cpu_gives_the_xla_tokens(tiny_engine_model, xla_tokens, monkeypatch):
     """The Mosaic kernels, in Pallas' interpreter, inside the engine's jitted steps (layer
     scan, donated pool, chunked prefill then decode): the same greedy tokens."""
-    calls = []
-    for name in ("tpu_paged_decode_attention", "tpu_ragged_paged_attention"):
-        kernel = getattr(jaxpaged.attention, name)
-        monkeypatch.setattr(jaxpaged.attention, name, functools.partial(_counted, kernel, calls, name))
+    calls = _count_calls(monkeypatch, "tpu_paged_decode_attention", "tpu_ragged_paged_attention")
     llm = LLM(tiny_engine_model, attention_backend="pallas_tpu", **ENGINE)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == xla_tokens
     assert {"tpu_paged_decode_attention", "tpu_ragged_paged_attention"} <= set(calls)
+
+
+def _count_calls(monkeypatch, *names) -> list[str]:
+    """The names of ``jaxpaged.attention``'s kernels as they are called (traced), in order."""
+    calls = []
+    for name in names:
+        monkeypatch.setattr(jaxpaged.attention, name,
+                            functools.partial(_counted, getattr(jaxpaged.attention, name), calls, name))
+    return calls
 
 
 def _counted(kernel, calls, name, *args, **kwargs):
@@ -276,10 +282,7 @@ def test_pallas_gpu_engine_with_every_mixed_step_switch_gives_the_xla_tokens(tin
 
     for name, value in (("MIXED_DECODE_ROWS", "split"), ("BLOCK_Q_RULE", "mean"), ("QUERY_LAYOUT", "direct")):
         monkeypatch.setattr(gpu_ragged, name, value)
-    calls = []
-    for name in ("paged_decode_attention", "ragged_paged_attention", "mixed_paged_attention"):
-        kernel = getattr(jaxpaged.attention, name)
-        monkeypatch.setattr(jaxpaged.attention, name, functools.partial(_counted, kernel, calls, name))
+    calls = _count_calls(monkeypatch, "paged_decode_attention", "ragged_paged_attention", "mixed_paged_attention")
     llm = LLM(tiny_engine_model, attention_backend="pallas_gpu", **ENGINE)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == xla_tokens
