@@ -284,41 +284,47 @@ def mixed_table(quick: bool) -> list[dict]:
     print(f"{'decode rows':>12}{'prompts':>8}{'tokens (padded)':>16}  {'way (mixed, rule, layout)':<26}"
           f"{'block_q':>8}{'us':>9}{'max err':>10}")
     rows, scale, reps = [], LLAMA8B[3] ** -0.5, 2 if quick else 20
-    saved = gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT
+    group_pad = next_power_of_2(LLAMA8B[1] // LLAMA8B[2])
+
+    def timed(f, *args):  # f(layer, *args) reps times in one jitted loop, alternating two layers
+        loop = jax.jit(lambda *args: jax.lax.fori_loop(
+            0, reps, lambda i, acc: acc + f(i % 2, *args).astype(jnp.float32).sum(), jnp.float32(0)))
+        return per_call(loop, *args, n=1 if quick else 3) / reps
+
+    saved = gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT
     for n_dec, n_prompt, plen in cases:
         q, k, v, bt, lens, qsl = mixed_inputs(n_dec, n_prompt, plen)
         T, S = q.shape[0], bt.shape[0]
         ref = xla_ragged_paged_attention(q, k, v, jnp.int32(1), bt, lens, qsl, scale=scale)
-        for mixed, rule, layout in ways:
-            label = f"{mixed}, {rule}, {layout}"
-            gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = mixed, rule, layout
+        for mixed, rule, layout in ways:  # the layout is read by ragged_paged_attention, the rule here
+            gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = rule, layout
+            block_q = gpu_ragged.default_block_q(T, S, group_pad)
             fn = mixed_paged_attention if mixed == "split" else ragged_paged_attention
-            block_q = gpu_ragged.default_block_q(T, S, next_power_of_2(LLAMA8B[1] // LLAMA8B[2]))
-            f = functools.partial(fn, scale=scale, block_q=block_q)
-            err = max_err(f(q, k, v, jnp.int32(1), bt, lens, qsl), ref)
-            loop = jax.jit(lambda q, k, v, bt, lens, qsl, f=f: jax.lax.fori_loop(
-                0, reps, lambda i, acc: acc + f(q, k, v, i % 2, bt, lens, qsl).astype(jnp.float32).sum(),
-                jnp.float32(0)))
-            t = per_call(loop, q, k, v, bt, lens, qsl, n=1 if quick else 3) / reps
+            f = lambda layer, q, k, v, bt, lens, qsl, fn=fn, block_q=block_q: fn(  # noqa: E731
+                q, k, v, layer, bt, lens, qsl, scale=scale, block_q=block_q)
+            err = max_err(f(jnp.int32(1), q, k, v, bt, lens, qsl), ref)
+            t = timed(f, q, k, v, bt, lens, qsl)
+            label = f"{mixed}, {rule}, {layout}"
             rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
                          "way": label, "block_q": block_q, "us": t * 1e6, "max_err": err})
             print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {label:<26}{block_q:>8}{t * 1e6:>9.1f}{err:>10.1e}",
                   flush=True)
-        # The floor a split could reach: the two parts as two steps would run them (the settings
-        # as they were: the default packed layout unless the command line chose another).
-        gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = saved
-        dq, dk, dv, dbt, dlens, _ = mixed_inputs(n_dec, 0, 0) if n_dec else (None,) * 6
+        # The floor a split could reach: the two parts as two steps would run them, under the
+        # settings the command line left (the default packed layout otherwise).
+        gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = saved
+        dq, dk, dv, dbt, dlens, _ = mixed_inputs(n_dec, 0, 0)
         pq, pk, pv, pbt, plens, pqsl = mixed_inputs(0, n_prompt, plen, seed=1)
-        dec = functools.partial(paged_decode_attention, scale=scale)
-        rag = functools.partial(ragged_paged_attention, scale=scale, block_q=gpu_ragged.BLOCK_Q)
-        loop = jax.jit(lambda *a: jax.lax.fori_loop(0, reps, lambda i, acc: acc + dec(
-            a[0][:a[4].shape[0]], a[1], a[2], i % 2, a[3], a[4]).astype(jnp.float32).sum() + rag(
-            *a[5:8], i % 2, *a[8:]).astype(jnp.float32).sum(), jnp.float32(0)))
-        t = per_call(loop, dq, dk, dv, dbt, dlens, pq, pk, pv, pbt, plens, pqsl, n=1 if quick else 3) / reps
+        dq = dq[:dbt.shape[0]]  # one query per decode row
+
+        def two_steps(layer, dq, dk, dv, dbt, dlens, pq, pk, pv, pbt, plens, pqsl):
+            dec = paged_decode_attention(dq, dk, dv, layer, dbt, dlens, scale=scale)
+            rag = ragged_paged_attention(pq, pk, pv, layer, pbt, plens, pqsl, scale=scale, block_q=gpu_ragged.BLOCK_Q)
+            return dec.astype(jnp.float32).sum() + rag.astype(jnp.float32).sum()
+
+        t = timed(two_steps, dq, dk, dv, dbt, dlens, pq, pk, pv, pbt, plens, pqsl)
         rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
                      "way": "decode + prompts alone", "us": t * 1e6})
         print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {'decode + prompts alone':<26}{'':>8}{t * 1e6:>9.1f}", flush=True)
-    gpu_ragged.MIXED_DECODE_ROWS, gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = saved
     return rows
 
 
