@@ -1,6 +1,10 @@
 """SmolLM2-135M-Instruct from the embedded GGUF equals transformers' own GGUF loader."""
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +13,8 @@ import torch
 from jaxpaged.kv_cache import init_kv_pool
 from jaxpaged.loader import load_model
 from jaxpaged.model import runtime_form
+from codegen_tokens import run as codegen_tokens
+from conftest import production_env
 from paged import jit_forward, step_metadata
 
 BS = 16
@@ -85,3 +91,25 @@ def test_orbax_cache_round_trip_is_exact_and_fast(smollm_first_load):
     # ~16 s vs ~1.2-1.7 s on a new machine; once the persistent compilation cache holds the
     # conversion's programs, the first load is ~8 s (this machine), still >= 3x the Orbax one.
     assert first_s >= 3 * second_s, (first_s, second_s)
+
+
+def test_production_codegen_gives_the_same_tokens(smollm_first_load):
+    """The suite compiles with quick code generation (``conftest.QUICK_CODEGEN``); users run
+    XLA's defaults. The engine on the default model gives the same tokens either way, and
+    logprobs equal to float32 rounding (greedy requests batched together, and a seeded one).
+    Where the suite runs XLA's defaults too (a GPU or TPU, ``JAXPAGED_TEST_CODEGEN=full``)
+    both sides are the same code."""
+    _, _, cache = smollm_first_load
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, str(tests / "codegen_tokens.py"), str(cache)], env=production_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = json.loads(proc.stdout.strip().splitlines()[-1])
+    quick = codegen_tokens(load_model(cache_dir=cache))
+    assert [c["tokens"] for c in quick] == [c["tokens"] for c in full]
+    for a, b in zip(quick, full):
+        for x, y in zip(a["logprobs"], b["logprobs"]):
+            assert x.keys() == y.keys()
+            np.testing.assert_allclose([x[k] for k in x], [y[k] for k in x], atol=5e-4, rtol=0)
+    print("largest logprob difference:", max(abs(x[k] - y[k]) for a, b in zip(quick, full)
+                                             for x, y in zip(a["logprobs"], b["logprobs"]) for k in x))

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpaged.loader import CheckpointError, load_model
 
-from conftest import make_tiny_hf
+from conftest import make_tiny_hf, production_env
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_bf16_sharded_load_peak_host_memory_is_params_plus_one_shard(tmp_path):
     param_bytes, shard_bytes = write_random_bf16_llama(tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) == 3
     r = subprocess.run([sys.executable, "-c", PEAK_RSS_CHILD, str(tmp_path)], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                       timeout=300, env=production_env(JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["dtype"] == "bfloat16" and got["ok"]
