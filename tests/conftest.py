@@ -7,7 +7,7 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # XLA:CPU's code generation, quick: LLVM without optimization and the older fusion emitters.
-# The suite compiles ~1,000 programs, and on 2 vCPUs each took ~1.1 s, 0.35 s with these
+# The suite compiles hundreds of programs, and on 2 vCPUs each took ~1.1 s, 0.35 s with these
 # flags (12 step shapes of the tiny engine model: 13.2 -> 4.0 s); the same HLO, run by
 # slower machine code (the 1,000-request traffic test: compilation 222 -> 63 s, the rest
 # 87 -> 170 s). ``test_default_model.py::test_production_codegen_gives_the_same_tokens``
@@ -15,7 +15,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # users get run with XLA's defaults (``production_env``). JAXPAGED_TEST_CODEGEN=full keeps
 # XLA's defaults everywhere; processes with a GPU or TPU plugin installed keep them too.
 QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-os.environ.setdefault("JAXPAGED_TEST_XLA_FLAGS_BEFORE", os.environ.get("XLA_FLAGS", ""))
 
 
 def _quick_codegen() -> bool:
@@ -32,9 +31,12 @@ if _quick_codegen() and QUICK_CODEGEN not in os.environ.get("XLA_FLAGS", ""):
 def production_env(**extra) -> dict:
     """This process's environment for a child that must run XLA's own code generation (what
     users run: a memory or token measurement), with ``extra`` set."""
-    env = dict(os.environ, XLA_FLAGS=os.environ["JAXPAGED_TEST_XLA_FLAGS_BEFORE"], JAXPAGED_TEST_CODEGEN="full")
+    quick = QUICK_CODEGEN.split()
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in quick)
+    env = dict(os.environ, XLA_FLAGS=flags, JAXPAGED_TEST_CODEGEN="full")
     env.update(extra)
     return env
+
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,

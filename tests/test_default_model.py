@@ -107,9 +107,12 @@ def test_production_codegen_gives_the_same_tokens(smollm_first_load):
     full = json.loads(proc.stdout.strip().splitlines()[-1])
     quick = codegen_tokens(load_model(cache_dir=cache))
     assert [c["tokens"] for c in quick] == [c["tokens"] for c in full]
+    diffs = []
     for a, b in zip(quick, full):
-        for x, y in zip(a["logprobs"], b["logprobs"]):
-            assert x.keys() == y.keys()
-            np.testing.assert_allclose([x[k] for k in x], [y[k] for k in x], atol=5e-4, rtol=0)
-    print("largest logprob difference:", max(abs(x[k] - y[k]) for a, b in zip(quick, full)
-                                             for x, y in zip(a["logprobs"], b["logprobs"]) for k in x))
+        for t, x, y in zip(a["tokens"], a["logprobs"], b["logprobs"]):
+            # The chosen token is in both; of the top-2 alternatives, those both list (a
+            # near-tie between the 2nd and 3rd may order them differently).
+            diffs += [abs(x[k] - y[k]) for k in x.keys() & y.keys()]
+            assert str(t) in x.keys() & y.keys()
+    print("largest logprob difference:", max(diffs))
+    assert max(diffs) < 5e-4
