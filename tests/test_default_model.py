@@ -13,6 +13,7 @@ import torch
 from jaxpaged.kv_cache import init_kv_pool
 from jaxpaged.loader import load_model
 from jaxpaged.model import runtime_form
+
 from codegen_tokens import run as codegen_tokens
 from conftest import production_env
 from paged import jit_forward, step_metadata
@@ -96,7 +97,7 @@ def test_orbax_cache_round_trip_is_exact_and_fast(smollm_first_load):
 def test_production_codegen_gives_the_same_tokens(smollm_first_load):
     """The suite compiles with quick code generation (``conftest.QUICK_CODEGEN``); users run
     XLA's defaults. The engine on the default model gives the same tokens either way, and
-    logprobs equal to float32 rounding (greedy requests batched together, and a seeded one).
+    logprobs within 5e-4 (greedy requests batched together, and a seeded one; 2.9e-5 seen).
     Where the suite runs XLA's defaults too (a GPU or TPU, ``JAXPAGED_TEST_CODEGEN=full``)
     both sides are the same code."""
     _, _, cache = smollm_first_load
