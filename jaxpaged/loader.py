@@ -354,17 +354,30 @@ def cache_path_for(source: Path, cache_dir: str | Path | None = None, dtype=jnp.
 
 
 def _save_cache(path: Path, config: dict, params: dict, tokenizer) -> None:
+    """Write the cache beside ``path`` and rename it into place: ``path`` only ever appears
+    complete, and of processes converting the same model at once (two test workers, a server
+    and a script) the first to finish wins and the others drop their copies."""
     import orbax.checkpoint as ocp
 
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(path / "params", params)
-    ckpt.wait_until_finished()
-    tokenizer.save_pretrained(str(path / "tokenizer"))
-    # Written last: its presence marks a complete cache.
-    (path / "meta.json").write_text(json.dumps({"format": CACHE_FORMAT, "config": config}))
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(tmp / "params", params)
+        ckpt.wait_until_finished()
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / "meta.json").write_text(json.dumps({"format": CACHE_FORMAT, "config": config}))
+        if (path / "meta.json").is_file():
+            return  # another process finished first
+        shutil.rmtree(path, ignore_errors=True)  # a partial cache from before this scheme, if any
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not (path / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _restore_cache(path: Path, dtype, tensor_parallel_size: int):

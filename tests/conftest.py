@@ -67,11 +67,16 @@ def fresh_traces():
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.cpu_host`` tests assert what a CPU-only process does (its interpreted
+    """``@pytest.mark.long`` tests run first.
+
+    ``@pytest.mark.cpu_host`` tests assert what a CPU-only process does (its interpreted
     kernels, its compiled programs, its default dtype); a GPU or TPU process does otherwise.
     Skipped there before any fixture is set up."""
     import jax
 
+    # Under pytest-xdist (the README's ``-n 2``) a worker runs its share in order: the long
+    # tests go first, so that none is left running alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if jax.default_backend() == "cpu":
         return
     skip = pytest.mark.skip(reason=f"asserts what a CPU-only process does; JAX's default backend here is "
@@ -151,19 +156,19 @@ def hf_smollm():
     return model, tok
 
 
-@pytest.fixture(scope="session")
-def tiny_engine_folder(tmp_path_factory):
-    """A random Llama with SmolLM2's real tokenizer and vocabulary, so text, chat templates,
-    stop strings and detokenization work at a fraction of the real model's cost."""
+def make_tiny_engine_folder(folder, *, vocab_size: int = 49152):
+    """A random Llama with SmolLM2's real tokenizer, so text, chat templates, stop strings and
+    detokenization work at a fraction of the real model's cost. A ``vocab_size`` below the
+    tokenizer's 49152 serves prompts whose ids stay below it (random ids drawn under it, and
+    ``traffic.WORDS``, whose ids are below 20480)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from jaxpaged.default_model import default_model_path
     from jaxpaged.gguf_loader import tokenizer_from_gguf
 
-    folder = tmp_path_factory.mktemp("tiny-engine")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                       max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
                       bos_token_id=1, eos_token_id=2)
@@ -173,7 +178,23 @@ def tiny_engine_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_engine_folder(tmp_path_factory):
+    return make_tiny_engine_folder(tmp_path_factory.mktemp("tiny-engine"))
+
+
+@pytest.fixture(scope="session")
 def tiny_engine_model(tiny_engine_folder):
     from jaxpaged.loader import load_model
 
     return load_model(tiny_engine_folder, attention_backend="xla")
+
+
+@pytest.fixture(scope="session")
+def small_vocab_engine_model(tmp_path_factory):
+    """The tiny engine model with a 20480-token vocabulary, for the tests that run it longest
+    with random prompt ids: the sampler's work (under the suite's quick code generation, most
+    of a step: Gumbel noise, logprobs) and the logits shrink 2.4x."""
+    from jaxpaged.loader import load_model
+
+    folder = make_tiny_engine_folder(tmp_path_factory.mktemp("tiny-engine-20k"), vocab_size=20480)
+    return load_model(folder, attention_backend="xla")

@@ -94,6 +94,7 @@ def test_orbax_cache_round_trip_is_exact_and_fast(smollm_first_load):
     assert first_s >= 3 * second_s, (first_s, second_s)
 
 
+@pytest.mark.long
 def test_production_codegen_gives_the_same_tokens(smollm_first_load):
     """The suite compiles with quick code generation (``conftest.QUICK_CODEGEN``); users run
     XLA's defaults. The engine on the default model gives the same tokens either way, and

@@ -200,9 +200,9 @@ def test_chat_and_generate_helpers(tiny_engine_model, tiny_engine_folder):
         jaxpaged.generate("x", model=tiny_engine_folder, temprature=0)
 
 
-def test_compiled_shapes_bounded_over_mixed_workload(tiny_engine_model):
+def test_compiled_shapes_bounded_over_mixed_workload(small_vocab_engine_model):
     rng = np.random.default_rng(0)
-    llm = make(tiny_engine_model, debug_checks=False, max_num_seqs=32, max_num_batched_tokens=128,
+    llm = make(small_vocab_engine_model, debug_checks=False, max_num_seqs=32, max_num_batched_tokens=128,
                num_blocks=160, enable_prefix_caching=False)
     vocab = llm.config.vocab_size
     prompts = [rng.integers(3, vocab, int(rng.integers(1, 120))).tolist() for _ in range(200)]

@@ -84,6 +84,7 @@ def test_notebook_starts_with_a_colab_install_cell(name):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_quickstart_runs(kernel_name):
     text, images = _execute("01_quickstart", kernel_name)
     assert "same seed, same text: True" in text
@@ -95,6 +96,7 @@ def test_quickstart_runs(kernel_name):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_inside_paged_attention_runs(kernel_name):
     text, images = _execute("02_inside_paged_attention", kernel_name)
     assert _number(r"C: (\d+) of 11 prompt tokens from the prefix cache", text) == 8

@@ -39,6 +39,7 @@ def child_env(**extra) -> dict:
     return env
 
 
+@pytest.mark.long
 def test_cases_on_four_cpu_devices(tiny_tp):
     """tp = 1, 2, 4 on a tiny model and tp = 1, 3 on the default model: same tokens and
     logits, the step's collectives, 1/N memory, errors (see tests/tp_cases.py)."""
