@@ -31,6 +31,8 @@ import logging
 import os
 import re
 import shutil
+import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -353,29 +355,45 @@ def cache_path_for(source: Path, cache_dir: str | Path | None = None, dtype=jnp.
     return _cache_root(cache_dir) / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+STALE_TMP_S = 3600  # a temporary cache folder older than this was left by a killed writer
+
+
 def _save_cache(path: Path, config: dict, params: dict, tokenizer) -> None:
-    """Write the cache beside ``path`` and rename it into place: ``path`` only ever appears
-    complete, and of processes converting the same model at once (two test workers, a server
-    and a script) the first to finish wins and the others drop their copies."""
+    """Write the cache into a temporary folder beside ``path`` and rename it into place:
+    ``path`` only ever appears complete, and of processes converting the same model at once
+    (test workers, a server beside a script) the first to finish wins and the others drop
+    their copies."""
     import orbax.checkpoint as ocp
 
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for old in path.parent.glob(f"{path.name}.tmp-*"):  # left by writers that were killed
+        try:
+            if time.time() - old.stat().st_mtime > STALE_TMP_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass  # removed meanwhile
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{path.name}.tmp-"))
     try:
         ckpt = ocp.StandardCheckpointer()
         ckpt.save(tmp / "params", params)
         ckpt.wait_until_finished()
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
         (tmp / "meta.json").write_text(json.dumps({"format": CACHE_FORMAT, "config": config}))
-        if (path / "meta.json").is_file():
-            return  # another process finished first
-        shutil.rmtree(path, ignore_errors=True)  # a partial cache from before this scheme, if any
-        try:
-            tmp.rename(path)
-        except OSError:
-            if not (path / "meta.json").is_file():
-                raise
+        for _ in range(2):
+            try:
+                tmp.rename(path)  # fails if ``path`` is a non-empty folder
+                return
+            except OSError:
+                if (path / "meta.json").is_file():
+                    return  # another process finished first
+                # A partial folder from before this scheme: move it aside, then retry.
+                aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{path.name}.tmp-"))
+                try:
+                    path.rename(aside / "old")
+                except OSError:
+                    pass  # gone already
+                shutil.rmtree(aside, ignore_errors=True)
+        raise OSError(f"could not move {tmp} to {path}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -151,7 +151,8 @@ def test_cache_appears_complete_and_the_first_writer_wins(tmp_path):
     """Two processes converting the same GGUF at once (test workers, a server beside a script):
     each writes beside the cache and renames it into place, so a reader never sees a partial
     one; a writer that finds a complete cache there drops its own copy; a partial folder left
-    by an older version is replaced."""
+    by an older version is replaced; temporary folders of killed writers are swept, those of
+    live ones left alone."""
     from jaxpaged.loader import _save_cache, cache_path_for
     from test_gguf import tiny_hf_tensors, write_tiny_gguf
 
@@ -163,12 +164,17 @@ def test_cache_appears_complete_and_the_first_writer_wins(tmp_path):
     first = load_model(gguf, cache_dir=tmp_path / "cache")
     assert (cache / "meta.json").is_file()
     stamp = (cache / "meta.json").stat().st_mtime_ns
+    stale, busy = (cache.parent / f"{cache.name}.tmp-{name}" for name in ("killed", "writing"))
+    for folder in (stale, busy):
+        folder.mkdir()
+    os.utime(stale, (0, 0))  # a writer killed long ago; ``busy`` is another writer's, now
     params = {"embed": np.ones((2, 3), np.float32)}  # a second writer's (different) copy
     _save_cache(cache, {}, params, first.tokenizer)
     assert (cache / "meta.json").stat().st_mtime_ns == stamp  # the first writer's cache stays
-    assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name]  # no temporary folder left
+    assert sorted(p.name for p in cache.parent.iterdir()) == sorted([cache.name, busy.name])
     again = load_model(gguf, cache_dir=tmp_path / "cache")
     np.testing.assert_array_equal(np.asarray(first.model.embed[...]), np.asarray(again.model.embed[...]))
+
 
 @pytest.mark.parametrize("kind", ["missing", "truncated", "garbage"])
 def test_cli_bad_model_is_one_line_error(tmp_path, kind):
