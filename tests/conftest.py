@@ -9,8 +9,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU's code generation, quick: LLVM without optimization and the older fusion emitters.
 # The suite compiles hundreds of programs, and on 2 vCPUs each took ~1.1 s, 0.35 s with these
 # flags (12 step shapes of the tiny engine model: 13.2 -> 4.0 s); the same HLO, run by
-# slower machine code (the 1,000-request traffic test: compilation 222 -> 63 s, the rest
-# 87 -> 170 s). ``test_default_model.py::test_production_codegen_gives_the_same_tokens``
+# slower machine code (the 1,000-request traffic test on the 49152-token tiny model:
+# compilation 222 -> 63 s, the rest 87 -> 170 s, most of it the sampler's scalar loops over
+# the vocabulary; the longest tiny-model tests now use ``small_vocab_engine_model``). ``test_default_model.py::test_production_codegen_gives_the_same_tokens``
 # runs the default model with XLA's defaults beside them, and children that measure what
 # users get run with XLA's defaults (``production_env``). JAXPAGED_TEST_CODEGEN=full keeps
 # XLA's defaults everywhere; processes with a GPU or TPU plugin installed keep them too.
