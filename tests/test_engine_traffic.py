@@ -192,7 +192,8 @@ def test_random_traffic_with_the_paging_oracle(tiny_engine_model):
 
 @pytest.mark.long
 def test_random_traffic_1000_requests_on_the_tiny_model(small_vocab_engine_model):
-    t = run_rounds(small_vocab_engine_model, oracle=False, rounds=range(100, 100 + MODEL_ROUNDS), num_requests=MODEL_REQUESTS)
+    t = run_rounds(small_vocab_engine_model, oracle=False, rounds=range(100, 100 + MODEL_ROUNDS),
+                   num_requests=MODEL_REQUESTS)
     assert t["requests"] >= 1000 and t["compared"] >= 700
     for key in COVERAGE:
         assert t[key] > 0, (key, t)
