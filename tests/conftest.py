@@ -12,9 +12,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # slower machine code (the 1,000-request traffic test on the 49152-token tiny model:
 # compilation 222 -> 63 s, the rest 87 -> 170 s, most of it the sampler's scalar loops over
 # the vocabulary; the longest tiny-model tests now use ``small_vocab_engine_model``).
-# ``test_default_model.py::test_production_codegen_gives_the_same_tokens`` runs the default model with XLA's defaults beside them, and children that measure what
-# users get run with XLA's defaults (``production_env``). JAXPAGED_TEST_CODEGEN=full keeps
-# XLA's defaults everywhere; processes with a GPU or TPU plugin installed keep them too.
+# ``test_default_model.py::test_production_codegen_gives_the_same_tokens`` runs the default
+# model with XLA's defaults beside them, and children that measure what users get run with
+# XLA's defaults (``production_env``). JAXPAGED_TEST_CODEGEN=full keeps XLA's defaults
+# everywhere; processes with a GPU or TPU plugin installed keep them too.
 QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
