@@ -379,21 +379,17 @@ def _save_cache(path: Path, config: dict, params: dict, tokenizer) -> None:
         ckpt.wait_until_finished()
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
         (tmp / "meta.json").write_text(json.dumps({"format": CACHE_FORMAT, "config": config}))
-        for _ in range(2):
-            try:
-                tmp.rename(path)  # fails if ``path`` is a non-empty folder
-                return
-            except OSError:
-                if (path / "meta.json").is_file():
-                    return  # another process finished first
-                # A partial folder from before this scheme: move it aside, then retry.
-                aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{path.name}.tmp-"))
-                try:
-                    path.rename(aside / "old")
-                except OSError:
-                    pass  # gone already
-                shutil.rmtree(aside, ignore_errors=True)
-        raise OSError(f"could not move {tmp} to {path}")
+        try:
+            tmp.rename(path)  # fails if ``path`` is a non-empty folder
+        except OSError:
+            if (path / "meta.json").is_file():
+                return  # another process finished first
+            # A partial folder from before this scheme: moved aside (a reader never sees it
+            # half deleted), removed, and this copy renamed into its place.
+            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{path.name}.tmp-"))
+            path.rename(aside / "old")
+            shutil.rmtree(aside, ignore_errors=True)
+            tmp.rename(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
