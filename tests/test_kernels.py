@@ -207,10 +207,11 @@ class TestPallasKernels:
 
     @pytest.mark.parametrize("fn", [ragged_paged_attention, mixed_paged_attention], ids=["ragged", "mixed"])
     @pytest.mark.parametrize("case", SUBSET, ids=case_id)
-    def test_direct_query_layout(self, case, fn, monkeypatch):
-        # Queries read and outputs written in place, masked stores; the groups of 3 (padded to 4),
-        # 1 (block_q 16 alone fills the rows) and 8.
-        monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", "direct")
+    def test_packed_query_layout_and_fixed_block_q(self, case, fn, monkeypatch):
+        # The defaults before the H100 measured the others: queries packed per block of 16
+        # tokens, outputs gathered back; the groups of 3 (padded to 4), 1 and 8.
+        monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", "packed")
+        monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "fixed")
         args, ref = ragged_inputs(case_id(case))
         out = fn(*args, scale=scale_for(case["head_dim"]), interpret=self.INTERPRET)
         assert_matches(out, ref, case["dtype"])
@@ -302,12 +303,13 @@ class TestXlaKernels:
 
 
 def test_block_q_rules(monkeypatch):
-    assert default_block_q(720, 256, 4) == gpu_ragged.BLOCK_Q == 16  # "fixed", the default
-    monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "mean")
+    assert gpu_ragged.BLOCK_Q_RULE == "mean"  # the default
     assert default_block_q(720, 256, 4) == 4  # a busy mixed step: ~3 tokens a row
     assert default_block_q(720, 256, 1) == 16  # no group to fill the 16 rows with
     assert default_block_q(1024, 64, 4) == 16  # prompt chunks: capped at BLOCK_Q
     assert default_block_q(300, 256, 8) == 2
+    monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "fixed")
+    assert default_block_q(720, 256, 4) == default_block_q(8, 256, 4) == gpu_ragged.BLOCK_Q == 16
     monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "median")
     with pytest.raises(ValueError, match="BLOCK_Q_RULE"):
         default_block_q(720, 256, 4)

@@ -10,7 +10,7 @@ full stacked pool through the block table, so cached prefix and this chunk are r
 same way (the step has written the chunk's K/V before attending). A chunk may start
 anywhere, mid-block included.
 
-In the default (packed) layout the queries are gathered per block before the kernel and
+In the packed layout the queries are gathered per block before the kernel and
 its outputs written per query block (``[NQB, KVH, block_q * group_pad, D]``, disjoint
 tiles, no masked stores), then gathered back to token order outside it. Query
 blocks past the real ones (the grid is sized for the worst case) read nothing.
@@ -18,20 +18,25 @@ blocks past the real ones (the grid is sized for the worst case) read nothing.
 A decode row of a mixed step (one query token beside other rows' prompt chunks) fills
 one row of a ``block_q``-token block, and the packed queries and outputs are sized for
 the worst case (``common.num_q_blocks``): at Llama-3-8B's group of 4, a busy step's
-~250 decode rows pack ~16x their bytes each way per layer. Two ways around it, chosen
-by the module settings below until a GPU measures them (``scripts/bench_gpu.py --only
-mixed`` times all of them on Llama-3-8B's shapes; ``--mixed``, ``--block-q-rule`` and
-``--query-layout`` run the engine either way):
+~250 decode rows packed ~16x their bytes each way per layer. The defaults below avoid
+that; the module settings keep the other ways (``scripts/bench_gpu.py --only mixed``
+times all eight combinations on Llama-3-8B's shapes; ``--mixed``, ``--block-q-rule``
+and ``--query-layout`` run the engine either way):
 
-- ``BLOCK_Q_RULE = "mean"``: the query block follows the step's mean tokens per row
-  (:func:`default_block_q`), down to 16 tile rows, so such a step packs 4x less;
-- ``MIXED_DECODE_ROWS = "split"``: one-token rows go to the decode kernel
-  (:func:`mixed_paged_attention`), and this kernel runs no program's loop for them (the
-  packing stays sized for the worst case);
-- ``QUERY_LAYOUT = "direct"``: no packing at all; each program reads its block's queries
-  where they lie in ``q`` and writes its outputs there, masked to the block's real tokens
-  (:func:`_ragged_kernel_direct`).
+- ``QUERY_LAYOUT = "direct"`` (default; ``"packed"`` as described above): no packing;
+  each program reads its block's queries where they lie in ``q`` and writes its outputs
+  there, masked to the block's real tokens (:func:`_ragged_kernel_direct`);
+- ``BLOCK_Q_RULE = "mean"`` (default; ``"fixed"``: always ``BLOCK_Q``): the query block
+  follows the step's mean tokens per row (:func:`default_block_q`), down to 16 tile rows;
+- ``MIXED_DECODE_ROWS = "split"`` (``"ragged"`` by default): one-token rows go to the
+  decode kernel (:func:`mixed_paged_attention`), and this kernel runs no program's loop
+  for them.
 
+On an H100 (Llama-3-8B's attention, one layer, three busy mixed steps) the direct layout
+took 150-332 us a call against 319-498 packed, about what the decode and prompt rows
+take as two separate launches, and the engine's offline throughput rose 1.09-1.10x
+(6,283-6,337 against 5,753-5,804 output tok/s on one machine); the split was 1.3-1.7x
+slower than the direct layout without it (docs/measurements.md, "Twenty-third session").
 The settings combine; they are read when a step is traced.
 """
 
@@ -50,8 +55,8 @@ from jaxpaged.pallas import common
 from jaxpaged.pallas.paged_attention import paged_decode_attention
 
 BLOCK_Q = 16  # query tokens per block under the "fixed" rule, and the most under "mean"
-BLOCK_Q_RULE = "fixed"  # or "mean": see default_block_q
-QUERY_LAYOUT = "packed"  # or "direct": see _ragged_kernel_direct
+BLOCK_Q_RULE = "mean"  # or "fixed": see default_block_q
+QUERY_LAYOUT = "direct"  # or "packed": see _ragged_kernel_direct
 MIXED_DECODE_ROWS = "ragged"  # or "split": see mixed_paged_attention
 
 
@@ -62,7 +67,7 @@ def default_block_q(num_tokens: int, num_seqs: int, group_pad: int) -> int:
     takes >= 16 rows) and at most ``BLOCK_Q``.
 
     >>> BLOCK_Q_RULE, default_block_q(720, 256, 4), default_block_q(8192, 256, 4)
-    ('fixed', 16, 16)
+    ('mean', 4, 16)
     """
     if BLOCK_Q_RULE == "fixed":
         return BLOCK_Q
