@@ -668,7 +668,7 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     # a separate pass. On a GPU the launch itself takes milliseconds (the host enqueues every
     # layer's kernels), so the wait in collect alone would undercount.
     counter = CompileCounter.get()
-    skipped = [0]  # steps of the synchronous pass that compiled something: not step times
+    skipped = collections.Counter()  # steps of the synchronous pass that compiled something: not step times
 
     def timed_dispatch(out, prev=None):
         shapes_before, compiles_before = len(runner.compiled_shapes), counter.snapshot()[0]
@@ -684,8 +684,10 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
             c, t0, new_shape, compiles_before = chunks.pop(id(step))
             # A shape the warm-up did not see, or any XLA compilation (a jit cache miss the
             # shape keys cannot see, say a synchronous-only variant), is not a step time.
-            if new_shape or counter.snapshot()[0] > compiles_before:
-                skipped[0] += 1
+            if new_shape:
+                skipped["a step shape the warm-up did not meet"] += 1
+            elif counter.snapshot()[0] > compiles_before:
+                skipped["a compilation for a step shape met before"] += 1
             else:
                 records.append((c, time.perf_counter() - t0))
         return res
@@ -723,7 +725,8 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
         before = collections.Counter(counter.count)
         run_offline(llm, sub.with_fresh_ids(3, cfg.vocab_size), "per-step device times", progress=False)
         compiled = counter.count - before
-        print(f"synchronous pass: {len(records)} steps timed, {skipped[0]} left out (they compiled: "
+        print(f"synchronous pass: {len(records)} steps timed, {sum(skipped.values())} left out ("
+              + "; ".join(f"{k}: {n}" for k, n in skipped.items()) + "; compiled: "
               + ", ".join(f"{n} x{k}" for n, k in compiled.most_common()) + ")")
         llm.core.async_scheduling, runner.dispatch, runner.collect, runner._launch = True, dispatch, collect, launch
     e = run.engine_stats
