@@ -208,7 +208,7 @@ class TestPallasKernels:
     @pytest.mark.parametrize("fn", [ragged_paged_attention, mixed_paged_attention], ids=["ragged", "mixed"])
     @pytest.mark.parametrize("case", SUBSET, ids=case_id)
     def test_packed_query_layout_and_fixed_block_q(self, case, fn, monkeypatch):
-        # The defaults before the H100 measured the others: queries packed per block of 16
+        # The former defaults (until an H100 measured the others): queries packed per block of 16
         # tokens, outputs gathered back; the groups of 3 (padded to 4), 1 and 8.
         monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", "packed")
         monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "fixed")

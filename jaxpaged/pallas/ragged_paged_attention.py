@@ -34,7 +34,7 @@ and ``--query-layout`` run the engine either way):
 
 On an H100 (Llama-3-8B's attention, one layer, three busy mixed steps) the direct layout
 took 150-332 us a call against 319-498 packed, about what the decode and prompt rows
-take as two separate launches, and the engine's offline throughput rose 1.09-1.10x
+take as two separate launches, and the engine's offline throughput rose ~1.09x
 (6,283-6,337 against 5,753-5,804 output tok/s on one machine); the split was 1.3-1.7x
 slower than the direct layout without it (docs/measurements.md, "Twenty-third session").
 The settings combine; they are read when a step is traced.
