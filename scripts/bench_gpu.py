@@ -31,6 +31,10 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    without each, ``--stacked-max-tokens`` with another bound on the stacked matmul,
    ``--mixed``, ``--block-q-rule`` and ``--query-layout`` with the mixed-step switches, and
    ``--ab-baseline`` (after ``--use-fastest-tiles``) again with the default tiles.
+8. ``--only decode-profile``: decode steps of 4, 8, 32 and 256 sequences of the same model,
+   each timed and traced: the step's period, the device's busy time, its floor (weights +
+   KV at the measured bandwidth) and its kernels by time (``--decode-small-grid 0``: the
+   decode kernel splits only long tables, the rule before the twenty-fourth session).
 
 Timings: a call is dispatched ``n`` times back to back and the device drained once, so
 host dispatch overlaps device work; the median of 5 such rounds after a warm-up. Writes
@@ -59,6 +63,7 @@ from bench_common import new_figure, random_params, save_figure, save_json
 from bench_kernels import contiguous_cache, contiguous_dense
 
 from jaxpaged.padding import next_power_of_2, row_bucket, token_bucket
+from jaxpaged.pallas import paged_attention
 from jaxpaged.pallas import ragged_paged_attention as gpu_ragged
 from jaxpaged.pallas.paged_attention import auto_num_splits, paged_decode_attention
 from jaxpaged.pallas.ragged_paged_attention import mixed_paged_attention, ragged_paged_attention
@@ -432,7 +437,7 @@ def trace_summary(folder: str, top: int = 25) -> dict:
     busy += cur_b - cur_a
     window = spans[-1][1] - spans[0][0]
     total = sum(by_name.values())
-    return {"window_ms": window / 1e6, "device_busy": busy / window,
+    return {"window_ms": window / 1e6, "device_busy": busy / window, "events": len(spans),
             "kernels": [(name[:70], ns / 1e6, ns / total) for name, ns in by_name.most_common(top)],
             "ops": {name[:70]: [(op[:90], ns / 1e6) for op, ns in by_op[name].most_common(4)]
                     for name, _ in by_name.most_common(top)}}
@@ -626,6 +631,91 @@ def use_fastest_tiles(rows: list[dict]):
     return {f"{T},{K},{N}": r["cfg"] for (T, K, N), r in best.items()}, restore
 
 
+def llama8b_model(args):
+    """A random model with Llama-3-8B's shapes in bf16, its weights made on the device (a
+    2-layer, 256-wide one with ``--quick``, which also runs on CPU): ``(cfg, model, seconds)``."""
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.loader import build_model
+
+    cfg = LlamaConfig.llama3_8b()
+    if args.quick:  # the code path on a small model (also runs on CPU)
+        cfg = dataclasses.replace(cfg, num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                                  num_kv_heads=2, head_dim=64, vocab_size=1024)
+    t = time.perf_counter()
+    params = jax.block_until_ready(device_random_params(cfg, jnp.bfloat16))
+    model = build_model(cfg, params, dtype=jnp.bfloat16, attention_backend=args.backend)
+    return cfg, model, time.perf_counter() - t
+
+
+def decode_profile_table(args, bw: float) -> list[dict]:
+    """Where a decode step's time goes at a few batch sizes (Llama-3-8B shapes, bf16): for
+    each, ``batch`` requests of ``context`` prompt tokens are prefilled, then ``steps`` decode
+    steps are timed (the async loop's period) and ``steps`` more traced with ``jax.profiler``.
+    Per step: the period, the device's busy time and kernel launches (from the trace), the
+    floor its bytes set at the measured read bandwidth (weights + KV, ``ModelCost``), and the
+    kernels that took the most device time. The engine's own decode steps of these sizes:
+    ``--only llama8b``'s tail (1-8 sequences) and busy phase (129-256)."""
+    import shutil
+
+    from bench_common import CompileCounter, ModelCost, greedy_params
+
+    from jaxpaged import LLM
+    from jaxpaged.loader import LoadedModel
+
+    cfg, model, _ = llama8b_model(args)
+    # Prompts end short of a power-of-two context (the block tables' width is bucketed), so
+    # the timed and traced steps run one shape each.
+    cases = [(2, 48), (8, 40)] if args.quick else [(4, 960), (8, 1900), (32, 448), (256, 192)]
+    steps = 4 if args.quick else 16
+    llm = LLM(LoadedModel(model, None, cfg, "random"), max_num_seqs=max(b for b, _ in cases), max_model_len=2048,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              kv_cache_memory=args.kv_cache_memory)
+    cost = ModelCost.from_loaded(LoadedModel(model, None, cfg, "random"))
+    counter, rng, rows = CompileCounter.get(), np.random.default_rng(0), []
+    print(f"\n## Decode steps by batch size (Llama-3-8B shapes, bf16, {args.backend}): {steps} steps timed, "
+          f"{steps} traced; floor = weights + KV read at {bw / 1e12:.2f} TB/s")
+    print(f"{'batch':>6}{'context':>9}{'period ms':>11}{'busy ms':>9}{'floor ms':>10}{'kernels':>9}"
+          f"{'compiles':>10}  top kernels, ms a step")
+    for batch, context in cases:
+        rids = [llm.add_request(rng.integers(100, cfg.vocab_size, context).tolist(),
+                                greedy_params(3 * steps + 16)) for _ in range(batch)]
+        started: set[str] = set()
+        while len(started) < batch:  # prefill (chunked), then a few decode steps to settle
+            started.update(o.request_id for o in llm.step() if o.outputs and o.outputs[0].token_ids)
+        for _ in range(4):
+            llm.step()
+        c0 = counter.snapshot()[0]
+        t = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        period = (time.perf_counter() - t) / steps
+        folder = os.path.join(os.environ.get("OUT", "bench_out"), f"trace_decode_{batch}")
+        shutil.rmtree(folder, ignore_errors=True)
+        with jax.profiler.trace(folder):
+            for _ in range(steps):
+                llm.step()
+        compiles = counter.snapshot()[0] - c0
+        for rid in rids:
+            llm.abort(rid)
+        while llm.has_unfinished_requests():
+            llm.step()
+        tr = trace_summary(folder, top=12)
+        shutil.rmtree(folder, ignore_errors=True)
+        floor = cost.step([(context + 8 + steps, 1, True)] * batch)[1] / bw
+        r = {"batch": batch, "context": context, "period_ms": 1e3 * period, "floor_ms": 1e3 * floor,
+             "compiles": compiles}
+        if tr:
+            r["busy_ms"] = tr["window_ms"] * tr["device_busy"] / steps
+            r["kernels_per_step"] = tr["events"] / steps
+            r["top"] = [(name, ms / steps) for name, ms, _ in tr["kernels"]]
+        rows.append(r)
+        print(f"{batch:>6}{context:>9}{r['period_ms']:>11.2f}{r.get('busy_ms', float('nan')):>9.2f}"
+              f"{r['floor_ms']:>10.2f}{r.get('kernels_per_step', float('nan')):>9.0f}{compiles:>10}", flush=True)
+        for name, ms in r.get("top", []):
+            print(f"{'':>14}{ms:>8.3f}  {name}")
+    return rows
+
+
 def llama8b_table(args, bw: float, rates: dict) -> dict:
     """Offline throughput of a random model with Llama-3-8B's shapes (bf16) on a synthetic
     ShareGPT-like workload, measured the way vLLM's benchmark_throughput does: every request
@@ -633,19 +723,10 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     from bench_common import CompileCounter, ModelCost, make_workload, run_offline
 
     from jaxpaged import LLM
-    from jaxpaged.config import LlamaConfig
-    from jaxpaged.loader import LoadedModel, build_model
+    from jaxpaged.loader import LoadedModel
 
-    cfg = LlamaConfig.llama3_8b()
-    if args.quick:  # the code path on a small model (also runs on CPU)
-        cfg = dataclasses.replace(cfg, num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
-                                  num_kv_heads=2, head_dim=64, vocab_size=1024)
+    cfg, model, t_init = llama8b_model(args)
     n_req = args.num_requests
-    t = time.perf_counter()
-    params = jax.block_until_ready(device_random_params(cfg, jnp.bfloat16))
-    model = build_model(cfg, params, dtype=jnp.bfloat16, attention_backend=args.backend)
-    del params
-    t_init = time.perf_counter() - t
     max_len = 2048
     wl = make_workload("sharegpt", n_req, vocab_size=cfg.vocab_size, max_model_len=max_len,
                        prompt_len=215, output_len=200)
@@ -789,7 +870,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "mixed", "engine", "llama8b",
-                                       "matmul"),
+                                       "decode-profile", "matmul"),
                     action="append")
     ap.add_argument("--num-requests", type=int, default=1000, help="llama8b: requests of the workload")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="llama8b")
@@ -817,11 +898,15 @@ def main():
     ap.add_argument("--query-layout", choices=("packed", "direct"),
                     help="the ragged kernel's queries packed per block, or read in place "
                          "(ragged_paged_attention.QUERY_LAYOUT)")
+    ap.add_argument("--decode-small-grid", type=int,
+                    help="decode attention splits short tables below this many programs "
+                         "(paged_attention.SMALL_GRID_PROGRAMS; 0: only long tables split, the rule before)")
     ap.add_argument("--lean", action="store_true",
                     help="llama8b: the timed run only (no synchronous pass, no profile)")
     args = ap.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or ("1GiB" if args.quick else "24GiB")
-    if jax.default_backend() != "gpu" and not (args.quick and set(args.only or ()) <= {"llama8b", "matmul", "mixed"}):
+    if jax.default_backend() != "gpu" and not (args.quick and set(args.only or ()) <= {"llama8b", "matmul", "mixed",
+                                                                                 "decode-profile"}):
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
     dev = jax.devices()[0]
     if args.no_split_k:
@@ -833,6 +918,8 @@ def main():
     if args.stacked_max_tokens is not None:
         from jaxpaged import model
         model.STACKED_MAX_TOKENS = args.stacked_max_tokens
+    if args.decode_small_grid is not None:
+        paged_attention.SMALL_GRID_PROGRAMS = args.decode_small_grid
     if args.mixed:
         gpu_ragged.MIXED_DECODE_ROWS = args.mixed
     if args.block_q_rule:
@@ -844,6 +931,7 @@ def main():
           f"grouped {'off' if args.no_grouped else 'on'}  stacked max tokens "
           f"{args.stacked_max_tokens or 'default'}  mixed {gpu_ragged.MIXED_DECODE_ROWS}  "
           f"block_q rule {gpu_ragged.BLOCK_Q_RULE}  query layout {gpu_ragged.QUERY_LAYOUT}  "
+          f"decode small grid {paged_attention.SMALL_GRID_PROGRAMS}  "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.default_backend() == "gpu":
         copy_bw, bw, rates = ceilings()
@@ -875,6 +963,8 @@ def main():
                                         args.matmul_budget_s, args.quick)
         if args.use_fastest_tiles:
             report["tuned_tiles"], restore_tiles = use_fastest_tiles(report["matmul"])
+    if "decode-profile" in only:
+        report["decode_profile"] = decode_profile_table(args, bw)
     if "llama8b" in only:
         report["llama8b"] = llama8b_table(args, bw, rates)
         if args.ab_baseline and restore_tiles is not None:

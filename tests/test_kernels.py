@@ -322,11 +322,16 @@ def test_query_layout_is_checked(monkeypatch):
         ragged_paged_attention(*args, scale=0.1, interpret=True)
 
 
-def test_split_k_is_chosen_for_long_tables_on_small_grids():
-    assert auto_num_splits(2048, 8) == 1  # short table: single pass
+def test_split_k_is_chosen_for_long_tables_and_small_grids():
     assert auto_num_splits(8192, 8) == 8  # long table, few programs: one partition per 1024 keys
     assert auto_num_splits(8192, 256) == 4  # capped so the grid reaches ~1024 programs
     assert auto_num_splits(8192, 1024) == 1  # the grid is full without splitting
+    assert auto_num_splits(2048, 512) == 1  # short table, a grid that fills the GPU: single pass
+    assert auto_num_splits(1024, 32) == 4  # short table, small grid: one partition per 256 keys
+    assert auto_num_splits(2048, 64) == 8
+    assert auto_num_splits(512, 256) == 2
+    assert auto_num_splits(256, 8) == 1  # one partition's worth of keys
+    assert auto_num_splits(2048, 200) == 5  # capped by the target grid (1024 programs)
 
 
 def test_interpreter_poisons_outputs():

@@ -30,11 +30,13 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged.pallas import common
 
-# Split-K defaults (see auto_num_splits), after vLLM's v1/v2 choice: split only long
-# tables, and only while the grid is too small to fill the GPU on its own.
+# Split-K defaults (see auto_num_splits), after vLLM's v1/v2 choice: split long tables, and
+# short ones only while the grid is too small to fill the GPU on its own.
 SPLIT_THRESHOLD_TOKENS = 2048
 PARTITION_TOKENS = 1024
 TARGET_PROGRAMS = 1024  # ~8 programs per SM on an H100 (132 SMs); see auto_num_splits
+SMALL_GRID_PROGRAMS = 264  # ~2 programs per SM: below it, short tables split too
+MIN_PARTITION_TOKENS = 256
 
 
 def _decode_kernel(
@@ -109,22 +111,29 @@ def merge_partitions(o: Float[Array, "P *rows D"], m: Float[Array, "P *rows"],
 
 def auto_num_splits(max_context: int, num_programs: int) -> int:
     """Partitions for a table of ``max_context`` tokens and a grid of ``num_programs``
-    (sequences x KV heads) programs.
+    (sequences x KV heads) programs, never more than needed to reach ``TARGET_PROGRAMS``
+    programs (a full grid gains nothing from splitting and pays for the partials and the
+    merge). Both sizes are static, so the choice is made at trace time.
 
-    1 up to ``SPLIT_THRESHOLD_TOKENS``; above, one partition per ``PARTITION_TOKENS``, but
-    no more than needed to reach ``TARGET_PROGRAMS`` programs (a full grid gains nothing
-    from splitting and pays for the partials and the merge). Both sizes are static, so the
-    choice is made at trace time.
+    - Tables longer than ``SPLIT_THRESHOLD_TOKENS``: one partition per ``PARTITION_TOKENS``.
+    - Shorter tables: one partition per ``MIN_PARTITION_TOKENS`` while the grid has fewer
+      than ``SMALL_GRID_PROGRAMS`` programs, else none.
 
     Measured on an H100 (bf16, ``scripts/bench_gpu.py --only tune``): a grid of 192
     programs (SmolLM2, 64 sequences x 4096 keys) runs 1.6x faster in 4 partitions than
     in one; 64 programs x 16k keys (Llama-3-8B, 8 sequences) 1.1x faster in 8-16 than in
     4; at 64 x 2048 keys (512 programs, not split) 2-16 partitions measured 2-20%
-    slower. Hence ~8 programs per SM rather than 2.
+    slower. Hence ~8 programs per SM rather than 2. The small-grid rule is for the
+    engine's small batches (``--only decode-profile``): Llama-3-8B, 4 sequences at a
+    1,024-key table, unsplit, is 32 programs walking 960 keys each, 37 us a layer for
+    16 MB of keys and values (0.42 TB/s), 16% of a decode step's device time.
     """
-    if max_context <= SPLIT_THRESHOLD_TOKENS:
-        return 1
-    return max(1, min(pl.cdiv(max_context, PARTITION_TOKENS), TARGET_PROGRAMS // max(num_programs, 1)))
+    cap = max(1, TARGET_PROGRAMS // max(num_programs, 1))
+    if max_context > SPLIT_THRESHOLD_TOKENS:
+        return min(pl.cdiv(max_context, PARTITION_TOKENS), cap)
+    if num_programs < SMALL_GRID_PROGRAMS:
+        return min(pl.cdiv(max_context, MIN_PARTITION_TOKENS), cap)
+    return 1
 
 
 def paged_decode_attention(
