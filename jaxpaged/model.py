@@ -33,6 +33,8 @@ from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
+from jaxpaged.pallas.stacked_matmul_mgpu import mosaic_grouped_stacked_matmul
+from jaxpaged.pallas.stacked_matmul_mgpu import supports as mosaic_supports
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
@@ -83,6 +85,13 @@ STACKED_MAX_TOKENS = 2048
 # q/k/v and gate/up as one launch each (grouped_stacked_matmul); scripts/bench_gpu.py turns
 # it off to measure one launch per projection.
 GROUPED_PROJECTIONS = True
+# Which kernel reads the stacked weights for steps of more than MOSAIC_MIN_TOKENS tokens:
+# "triton" (stacked_matmul) or "mosaic" (stacked_matmul_mgpu: Mosaic GPU, wgmma and TMA on
+# Hopper, where the shapes and dtype fit; Triton otherwise). Decode-sized steps keep the
+# Triton kernel's split-K, which reads the weights near the memory's rate. "triton" until
+# the Mosaic kernel is measured on a GPU (scripts/bench_gpu.py --stacked-kernel mosaic).
+STACKED_KERNEL = "triton"
+MOSAIC_MIN_TOKENS = 64
 
 
 def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
@@ -98,6 +107,9 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
     9.7 ms of a 24.6 ms Llama-3-8B decode step on an H100. Triton runs it where it can tile
     the shapes; other platforms, and shapes it cannot tile, take the slices the scan made.
     """
+
+    if STACKED_KERNEL not in ("triton", "mosaic"):
+        raise ValueError(f"STACKED_KERNEL={STACKED_KERNEL!r}: 'triton' or 'mosaic'")
 
     def dense(x, w):
         k = x.ndim - 1
@@ -122,8 +134,13 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
             w = getattr(layers, name)[...]  # [L, *K, *N], the whole stack
             ws.append(w.reshape(w.shape[0], K, math.prod(out)))
 
+        widths = tuple(math.prod(o) for o in outs)
+        mosaic = (STACKED_KERNEL == "mosaic" and x.shape[0] > MOSAIC_MIN_TOKENS
+                  and mosaic_supports(K, widths, x.dtype))
+
         def kernel(x, ws, layer):
-            res = grouped_stacked_matmul(x.reshape(x.shape[0], K), tuple(ws), layer, interpret=False)
+            impl = mosaic_grouped_stacked_matmul if mosaic else grouped_stacked_matmul
+            res = impl(x.reshape(x.shape[0], K), tuple(ws), layer, interpret=False)
             return tuple(r.reshape(x.shape[0], *out) for r, out in zip(res, outs))
 
         # Elsewhere the slices are used as before (and the unused stacks cost nothing).

@@ -10,8 +10,9 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    output is first checked against the reference (max abs error). Columns: time per
    call, KV bytes read per second and its fraction of the read bandwidth, and time over
    the contiguous baseline (the cost of paging; the seeds report 1.04-1.15x).
-3. Tuning of the Pallas decode kernel (keys per loop step, warps, split-K partitions),
-   each case twice, and the block-size sweep (4-64 tokens per block).
+3. Tuning of the Pallas decode kernel (keys per loop step, warps, pipeline stages, split-K
+   partitions) and of the ragged kernel on a busy mixed step, each case twice, and the
+   block-size sweep (4-64 tokens per block).
 4. Ragged prefill (Pallas vs XLA), causal attention FLOP/s; and (``--only mixed``) a busy
    mixed step's attention at Llama-3-8B shapes, each way ``ragged_paged_attention``'s
    switches run it (decode rows split off, the query block's rule, the query layout),
@@ -20,8 +21,9 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    same layers, heads and vocabulary, so the same FLOPs and bytes; random weights because
    the device machine cannot fetch the GGUF): many requests, ``ignore_eos``, fixed output
    lengths, per attention backend.
-6. ``--only matmul``: the in-place layer matmul (grouped as the model calls it) against
-   XLA's slice-then-matmul, per Llama-3-8B projection and tokens per step
+6. ``--only matmul``: the in-place layer matmul (grouped as the model calls it; Triton, and
+   past 64 tokens the Mosaic GPU kernel) against XLA's slice-then-matmul, per Llama-3-8B
+   projection and tokens per step
    (``--matmul-tokens``; ``--matmul-sweep`` adds other tiles, warps and split factors;
    ``--use-fastest-tiles`` makes the fastest the default for a llama8b run after it).
 7. ``--only llama8b``: Llama-3-8B shapes on a ShareGPT-like workload against vLLM's
@@ -29,7 +31,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    synchronous pass) and by tokens per step, a profile. ``--lean`` times the run alone;
    ``--no-split-k``, ``--no-grouped`` and ``JAXPAGED_COMMAND_BUFFERS=0`` measure the engine
    without each, ``--stacked-max-tokens`` with another bound on the stacked matmul,
-   ``--mixed``, ``--block-q-rule`` and ``--query-layout`` with the mixed-step switches, and
+   ``--mixed``, ``--block-q-rule`` and ``--query-layout`` with the mixed-step switches,
+   ``--stacked-kernel mosaic`` with the Mosaic GPU matmul past decode-sized steps, and
    ``--ab-baseline`` (after ``--use-fastest-tiles``) again with the default tiles.
 8. ``--only decode-profile``: decode steps of 4, 8, 32 and 256 sequences of the same model,
    each timed and traced: the step's period, the device's busy time, its floor (weights +
@@ -101,6 +104,12 @@ def looped(f, reps: int):
 
     return jax.jit(lambda x, ws, layer: jax.lax.fori_loop(
         0, reps, lambda i, acc: body(i, acc, x, ws, layer), jnp.float32(0)))
+
+
+def stacked_kernel() -> str:
+    from jaxpaged import model
+
+    return model.STACKED_KERNEL
 
 
 def ceilings():
@@ -177,26 +186,49 @@ def decode_table(bw, quick):
 
 
 def tuning_table(bw):
-    """Keys per loop step, warps and split-K partitions of the Pallas decode kernel, each
-    case timed twice in turn (the spread between the two is the noise)."""
+    """Keys per loop step, warps, pipeline stages and split-K partitions of the Pallas decode
+    kernel, then keys per step, warps and stages of the ragged kernel on a busy mixed step;
+    each case timed twice in turn (the spread between the two is the noise). The engine's
+    shapes are here too: Llama-3-8B's decode steps of 256 sequences at short contexts (the
+    busy phase, ~74% of the read bandwidth in the twenty-fourth session) and of 4 (the tail)."""
     print("\n## Pallas decode tuning, bf16, block size 16 (keys per step = pages_per_chunk * 16); two passes")
-    print(f"{'model':<14}{'batch':>6}{'ctx':>7}{'keys/step':>10}{'warps':>6}{'splits':>7}{'us (1)':>9}{'us (2)':>9}"
-          f"{'of bw':>7}")
-    for shape, S, ctx in ((SMOLLM2, 256, 1024), (SMOLLM2, 64, 4096), (LLAMA8B, 64, 2048), (LLAMA8B, 8, 16384)):
+    print(f"{'model':<14}{'batch':>6}{'ctx':>7}{'keys/step':>10}{'warps':>6}{'stages':>7}{'splits':>7}{'us (1)':>9}"
+          f"{'us (2)':>9}{'of bw':>7}")
+    for shape, S, ctx in ((SMOLLM2, 256, 1024), (SMOLLM2, 64, 4096), (LLAMA8B, 64, 2048), (LLAMA8B, 8, 16384),
+                          (LLAMA8B, 256, 256), (LLAMA8B, 4, 1024)):
         args = decode_inputs(shape, S, ctx, 16, jnp.bfloat16)
         kv_bytes = 2 * S * ctx * shape[2] * shape[3] * 2
         auto = auto_num_splits(ctx, S * shape[2])
-        cases = [(ppc, w, auto) for ppc in (4, 8, 16) for w in (4, 8)] if ctx <= 4096 else []
-        cases += [(4, 4, k) for k in (1, 2, 4, 8, 16) if k != auto or not cases]
+        cases = [(ppc, w, 2, auto) for ppc in (4, 8, 16) for w in (4, 8)] if ctx <= 4096 else []
+        if ctx <= 1024:  # short walks: do deeper pipelines pay?
+            cases += [(ppc, 4, 3, auto) for ppc in (4, 8)]
+        cases += [(4, 4, 2, k) for k in (1, 2, 4, 8, 16) if k != auto or not cases]
         fns = {c: functools.partial(paged_decode_attention, scale=0.125, pages_per_chunk=c[0], num_warps=c[1],
-                                    num_splits=c[2]) for c in cases}
+                                    num_stages=c[2], num_splits=c[3]) for c in cases}
         times = {c: [] for c in cases}
         for _ in range(2):
             for c in cases:
                 times[c].append(per_call(fns[c], *args))
-        for (ppc, w, k), (t1, t2) in times.items():
-            print(f"{shape[0]:<14}{S:>6}{ctx:>7}{ppc * 16:>10}{w:>6}{k:>7}{t1 * 1e6:>9.1f}{t2 * 1e6:>9.1f}"
+        for (ppc, w, st, k), (t1, t2) in times.items():
+            print(f"{shape[0]:<14}{S:>6}{ctx:>7}{ppc * 16:>10}{w:>6}{st:>7}{k:>7}{t1 * 1e6:>9.1f}{t2 * 1e6:>9.1f}"
                   f"{kv_bytes / min(t1, t2) / bw:>7.0%}", flush=True)
+    n_dec, n_prompt, plen = 254, 2, 200  # mixed_table's first case: a busy step
+    q, k, v, bt, lens, qsl = mixed_inputs(n_dec, n_prompt, plen)
+    scale = LLAMA8B[3] ** -0.5
+    kv_bytes = 2 * int(np.asarray(lens).sum()) * LLAMA8B[2] * LLAMA8B[3] * 2
+    print(f"\n## Ragged kernel tuning on a mixed step ({n_dec} decode rows + {n_prompt} x {plen}, Llama-3-8B, bf16, "
+          f"layout {gpu_ragged.QUERY_LAYOUT}); of bw counts each key once")
+    print(f"{'keys/step':>10}{'warps':>6}{'stages':>7}{'us (1)':>9}{'us (2)':>9}{'of bw':>7}")
+    cases = [(ppc, w, st) for ppc in (4, 8) for w in (4, 8) for st in (2, 3)]
+    fns = {c: jax.jit(functools.partial(ragged_paged_attention, scale=scale, pages_per_chunk=c[0], num_warps=c[1],
+                                        num_stages=c[2])) for c in cases}
+    times = {c: [] for c in cases}
+    for _ in range(2):
+        for c in cases:
+            times[c].append(per_call(fns[c], q, k, v, jnp.int32(1), bt, lens, qsl))
+    for (ppc, w, st), (t1, t2) in times.items():
+        print(f"{ppc * 16:>10}{w:>6}{st:>7}{t1 * 1e6:>9.1f}{t2 * 1e6:>9.1f}{kv_bytes / min(t1, t2) / bw:>7.0%}",
+              flush=True)
 
 
 def block_size_table(bw):
@@ -506,6 +538,8 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, bud
     in one jitted loop (:func:`looped`), so that a decode-sized matmul is not timed at the
     host's dispatch rate."""
     from jaxpaged.pallas.stacked_matmul import MatmulConfig, grouped_config, grouped_stacked_matmul
+    from jaxpaged.pallas.stacked_matmul_mgpu import MosaicMatmulConfig, mosaic_grouped_stacked_matmul
+    from jaxpaged.pallas.stacked_matmul_mgpu import supports as mosaic_supports
 
     print("\n## Stacked matmul vs XLA (x @ w[layer] of [3, K, N] stacks), Llama-3-8B projections, bf16")
     shapes = (("q/k/v", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate/up", 4096, (14336, 14336)),
@@ -534,6 +568,15 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, bud
             if splits > 1:
                 cands.append(("default unsplit", jax.jit(functools.partial(kernel, splits=1)),
                               config._replace(splits=1)))
+            if T > 64 and mosaic_supports(K, widths, x.dtype):  # the Mosaic GPU kernel (wgmma, TMA)
+                mcfgs = [MosaicMatmulConfig()]
+                if full:
+                    mcfgs += [MosaicMatmulConfig(tile_m=64), MosaicMatmulConfig(max_concurrent_steps=3),
+                              MosaicMatmulConfig(tile_n=64, max_concurrent_steps=5)]
+                for mc in mcfgs:
+                    cands.append((f"mosaic m{mc.tile_m} n{2 * mc.tile_n} k{mc.tile_k} st{mc.max_concurrent_steps}",
+                                  jax.jit(functools.partial(mosaic_grouped_stacked_matmul, config=mc,
+                                                            interpret=interpret)), None))
             if full:  # (block_t, block_n, block_k, warps, stages, splits), in both launch orders past one tile
                 t = max(16, next_power_of_2(T))
                 grid = (((t, 32, 128, 4, 4, 1), (t, 64, 256, 4, 3, 1), (t, 64, 128, 4, 3, 2), (t, 64, 128, 4, 3, 8),
@@ -898,6 +941,8 @@ def main():
     ap.add_argument("--query-layout", choices=("packed", "direct"),
                     help="the ragged kernel's queries packed per block, or read in place "
                          "(ragged_paged_attention.QUERY_LAYOUT)")
+    ap.add_argument("--stacked-kernel", choices=("triton", "mosaic"),
+                    help="steps past decode size read the stacked weights with this kernel (model.STACKED_KERNEL)")
     ap.add_argument("--decode-small-grid", type=int,
                     help="decode attention splits short tables below this many programs "
                          "(paged_attention.SMALL_GRID_PROGRAMS; 0: only long tables split, the rule before)")
@@ -918,6 +963,9 @@ def main():
     if args.stacked_max_tokens is not None:
         from jaxpaged import model
         model.STACKED_MAX_TOKENS = args.stacked_max_tokens
+    if args.stacked_kernel:
+        from jaxpaged import model
+        model.STACKED_KERNEL = args.stacked_kernel
     if args.decode_small_grid is not None:
         paged_attention.SMALL_GRID_PROGRAMS = args.decode_small_grid
     if args.mixed:
@@ -931,7 +979,7 @@ def main():
           f"grouped {'off' if args.no_grouped else 'on'}  stacked max tokens "
           f"{args.stacked_max_tokens or 'default'}  mixed {gpu_ragged.MIXED_DECODE_ROWS}  "
           f"block_q rule {gpu_ragged.BLOCK_Q_RULE}  query layout {gpu_ragged.QUERY_LAYOUT}  "
-          f"decode small grid {paged_attention.SMALL_GRID_PROGRAMS}  "
+          f"decode small grid {paged_attention.SMALL_GRID_PROGRAMS}  stacked kernel {stacked_kernel()}  "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.default_backend() == "gpu":
         copy_bw, bw, rates = ceilings()

@@ -236,3 +236,118 @@ def test_mixed_steps_up_to_the_token_bound_read_the_weights_in_place(extra, site
                           jnp.array([T - 1]))
     assert _call_sites(cuda) == sites
 
+
+
+# ---- the Mosaic GPU kernel (pallas/stacked_matmul_mgpu.py) ------------------------------
+
+def small_mosaic():
+    """Small tiles, so that Mosaic GPU's interpreter (it simulates every program's TMA
+    copies, barriers and wgmma) stays quick: 64 tokens x 128 columns a program, 64 deep."""
+    from jaxpaged.pallas.stacked_matmul_mgpu import MosaicMatmulConfig
+
+    return MosaicMatmulConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_m=64, epi_n=64)
+
+
+@pytest.mark.parametrize("T, K, widths, layer", [
+    (100, 192, (256, 128, 128), 1),  # q/k/v-like: three stacks, tokens padded to two token tiles
+    (64, 128, (128,), 2),  # one stack, one tile of each
+    (130, 64, (128, 128), 0),  # gate/up-like, three token tiles
+])
+def test_mosaic_matches_each_layer_matmul_in_the_interpreter(T, K, widths, layer):
+    from jaxpaged.pallas.stacked_matmul_mgpu import mosaic_grouped_stacked_matmul
+
+    kx, kw = jax.random.split(jax.random.key(T + K + layer))
+    x = jax.random.normal(kx, (T, K), jnp.float32).astype(jnp.bfloat16)
+    ws = tuple((jax.random.normal(k, (3, K, n), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+               for k, n in zip(jax.random.split(kw, len(widths)), widths))
+    got = mosaic_grouped_stacked_matmul(x, ws, jnp.int32(layer), config=small_mosaic(), interpret=True)
+    assert len(got) == len(widths)
+    for out, w in zip(got, ws):
+        want = jnp.einsum("TK,KN->TN", x.astype(jnp.float32), w[layer].astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+        other = jnp.einsum("TK,KN->TN", x.astype(jnp.float32), w[(layer + 1) % 3].astype(jnp.float32))
+        assert out.shape == (T, w.shape[2]) and out.dtype == jnp.bfloat16
+        # float32 sums of bf16 products, rounded to bf16 once (|want| < ~5: 2^-8 relative)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=3e-2, rtol=1e-2)
+        assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - other))) > 0.5  # the layer's own weights
+
+
+def test_mosaic_refuses_what_it_cannot_tile_and_names_it():
+    from jaxpaged.pallas.stacked_matmul_mgpu import mosaic_grouped_stacked_matmul
+    from jaxpaged.pallas.stacked_matmul_mgpu import supports as mosaic_supports
+
+    assert mosaic_supports(4096, (4096, 1024, 1024), jnp.bfloat16) and mosaic_supports(14336, (4096,), jnp.float16)
+    assert not mosaic_supports(4096, (4096,), jnp.float32)  # wgmma has no IEEE float32
+    assert not mosaic_supports(576, (576,), jnp.bfloat16)  # SmolLM2's widths: not multiples of 256
+    assert not mosaic_supports(4100, (4096,), jnp.bfloat16)
+    x = jnp.zeros((8, 576), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"K=576 and widths \(192,\) in bfloat16 do not fit"):
+        mosaic_grouped_stacked_matmul(x, (jnp.zeros((2, 576, 192), jnp.bfloat16),), 0)
+    with pytest.raises(ValueError, match="expected one dtype"):
+        mosaic_grouped_stacked_matmul(x, (jnp.zeros((2, 576, 256), jnp.float32),), 0)
+
+
+def test_mosaic_lowers_for_cuda_at_llama_3_8b_shapes():
+    """The default tiles (128 x 256 a program, 4 stages) lower to one Mosaic GPU kernel for
+    Llama-3-8B's grouped q/k/v and its down projection, with the layer traced."""
+    from jaxpaged.pallas.stacked_matmul_mgpu import mosaic_grouped_stacked_matmul
+
+    S = jax.ShapeDtypeStruct
+    for T, K, widths in ((512, 4096, (4096, 1024, 1024)), (300, 14336, (4096,))):
+        ws = tuple(S((32, K, n), jnp.bfloat16) for n in widths)
+        with abstract_gpu():
+            text = jax.jit(lambda x, ws, layer: mosaic_grouped_stacked_matmul(x, ws, layer)).trace(
+                S((T, K), jnp.bfloat16), ws, S((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+        assert "__gpu$xla.gpu.triton" not in text
+
+
+def test_model_steps_past_decode_size_take_the_mosaic_kernel_when_asked(monkeypatch):
+    """With ``STACKED_KERNEL = "mosaic"``, a 128-token step of a model whose widths fit (all
+    multiples of 256, bf16) lowers its four projection launches per layer to Mosaic GPU;
+    a 16-token step keeps the Triton kernel; the CPU run is unchanged."""
+    from jaxpaged import model as model_mod
+    from jaxpaged.attention import AttentionMetadata
+    from jaxpaged.config import LlamaConfig
+    from jaxpaged.kv_cache import init_kv_pool
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=4, head_dim=64, max_position_embeddings=512)
+
+    def lowered(T):
+        md = AttentionMetadata(positions=jnp.arange(T), slot_mapping=16 + jnp.arange(T),
+                               block_tables=1 + jnp.arange(T // 16)[None], context_lens=jnp.array([T]),
+                               query_start_loc=jnp.array([0, T]), decode_only=False)
+        from flax import nnx
+
+        from jaxpaged import runner
+        from jaxpaged.model import Llama
+
+        llama = Llama(cfg, attention_backend="auto", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        args = (*runner.split_model(llama), init_kv_pool(2, T // 16 + 1, 4, 16, 64, jnp.bfloat16),
+                jnp.ones(T, jnp.int32), md, jnp.array([T - 1]))
+        with abstract_gpu():
+            return runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    monkeypatch.setattr(model_mod, "STACKED_KERNEL", "mosaic")
+    assert len(re.findall(r"custom_call @mosaic_gpu", lowered(128))) == 4  # q/k/v, o, gate/up, down
+    assert len(re.findall(r"custom_call @mosaic_gpu", lowered(16))) == 0
+    monkeypatch.setattr(model_mod, "STACKED_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="STACKED_KERNEL='cutlass'"):
+        lowered(144)  # a shape not traced yet: the setting is read when a step is traced
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Mosaic GPU kernel needs a Hopper GPU")
+@pytest.mark.parametrize("T, K, widths", [(512, 4096, (4096, 1024, 1024)), (200, 14336, (4096,)),
+                                          (1000, 4096, (14336, 14336))])
+def test_mosaic_native_matches_xla_at_llama_3_8b_shapes(T, K, widths):
+    from jaxpaged.pallas.stacked_matmul_mgpu import mosaic_grouped_stacked_matmul
+
+    kx, kw = jax.random.split(jax.random.key(T))
+    x = jax.random.normal(kx, (T, K), jnp.float32).astype(jnp.bfloat16)
+    ws = tuple((jax.random.normal(k, (2, K, n), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+               for k, n in zip(jax.random.split(kw, len(widths)), widths))
+    got = mosaic_grouped_stacked_matmul(x, ws, jnp.int32(1))
+    for out, w in zip(got, ws):
+        want = jnp.dot(x, w[1], preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=3e-2, rtol=1e-2)
