@@ -31,7 +31,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    synchronous pass) and by tokens per step, a profile. ``--lean`` times the run alone;
    ``--no-split-k``, ``--no-grouped`` and ``JAXPAGED_COMMAND_BUFFERS=0`` measure the engine
    without each, ``--stacked-max-tokens`` with another bound on the stacked matmul,
-   ``--mixed``, ``--block-q-rule`` and ``--query-layout`` with the mixed-step switches,
+   ``--mixed``, ``--block-q-rule``, ``--query-layout`` and ``--block-order`` with the
+   mixed-step switches,
    ``--stacked-kernel mosaic`` with the Mosaic GPU matmul past decode-sized steps, and
    ``--ab-baseline`` (after ``--use-fastest-tiles``) again with the default tiles.
 8. ``--only decode-profile``: decode steps of 4, 8, 32 and 256 sequences of the same model,
@@ -313,12 +314,13 @@ def mixed_table(quick: bool) -> list[dict]:
     cases = [(254, 2, 200), (192, 1, 512), (32, 4, 480)]
     if quick:
         cases = [(14, 1, 30)]
-    ways = [(mixed, rule, layout) for layout in ("packed", "direct") for mixed in ("ragged", "split")
+    ways = [(mixed, rule, layout, "sequence") for layout in ("packed", "direct") for mixed in ("ragged", "split")
             for rule in ("fixed", "mean")]
+    ways += [("ragged", "mean", "direct", "longest_first"), ("split", "mean", "direct", "longest_first")]
     print("\n## Mixed steps, one layer, Llama-3-8B attention shapes (bf16, blocks of 16): us per call; "
           "'decode + prompts alone' = the decode kernel over the decode rows plus the ragged kernel over the "
           "prompt rows, as two steps would run them")
-    print(f"{'decode rows':>12}{'prompts':>8}{'tokens (padded)':>16}  {'way (mixed, rule, layout)':<26}"
+    print(f"{'decode rows':>12}{'prompts':>8}{'tokens (padded)':>16}  {'way (mixed, rule, layout, order)':<36}"
           f"{'block_q':>8}{'us':>9}{'max err':>10}")
     rows, scale, reps = [], LLAMA8B[3] ** -0.5, 2 if quick else 20
     group_pad = next_power_of_2(LLAMA8B[1] // LLAMA8B[2])
@@ -328,27 +330,27 @@ def mixed_table(quick: bool) -> list[dict]:
             0, reps, lambda i, acc: acc + f(i % 2, *args).astype(jnp.float32).sum(), jnp.float32(0)))
         return per_call(loop, *args, n=1 if quick else 3) / reps
 
-    saved = gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT
+    saved = gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT, gpu_ragged.BLOCK_ORDER
     for n_dec, n_prompt, plen in cases:
         q, k, v, bt, lens, qsl = mixed_inputs(n_dec, n_prompt, plen)
         T, S = q.shape[0], bt.shape[0]
         ref = xla_ragged_paged_attention(q, k, v, jnp.int32(1), bt, lens, qsl, scale=scale)
-        for mixed, rule, layout in ways:  # the layout is read by ragged_paged_attention, the rule here
-            gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = rule, layout
+        for mixed, rule, layout, order in ways:  # layout and order are read by ragged_paged_attention, the rule here
+            gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT, gpu_ragged.BLOCK_ORDER = rule, layout, order
             block_q = gpu_ragged.default_block_q(T, S, group_pad)
             fn = mixed_paged_attention if mixed == "split" else ragged_paged_attention
             f = lambda layer, q, k, v, bt, lens, qsl, fn=fn, block_q=block_q: fn(  # noqa: E731
                 q, k, v, layer, bt, lens, qsl, scale=scale, block_q=block_q)
             err = max_err(f(jnp.int32(1), q, k, v, bt, lens, qsl), ref)
             t = timed(f, q, k, v, bt, lens, qsl)
-            label = f"{mixed}, {rule}, {layout}"
+            label = f"{mixed}, {rule}, {layout}" + (", longest first" if order == "longest_first" else "")
             rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
                          "way": label, "block_q": block_q, "us": t * 1e6, "max_err": err})
-            print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {label:<26}{block_q:>8}{t * 1e6:>9.1f}{err:>10.1e}",
+            print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {label:<36}{block_q:>8}{t * 1e6:>9.1f}{err:>10.1e}",
                   flush=True)
         # The floor a split could reach: the two parts as two steps would run them, under the
         # settings the command line left (the default packed layout otherwise).
-        gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT = saved
+        gpu_ragged.BLOCK_Q_RULE, gpu_ragged.QUERY_LAYOUT, gpu_ragged.BLOCK_ORDER = saved
         dq, dk, dv, dbt, dlens, _ = mixed_inputs(n_dec, 0, 0)
         pq, pk, pv, pbt, plens, pqsl = mixed_inputs(0, n_prompt, plen, seed=1)
         dq = dq[:dbt.shape[0]]  # one query per decode row
@@ -361,7 +363,7 @@ def mixed_table(quick: bool) -> list[dict]:
         t = timed(two_steps, dq, dk, dv, dbt, dlens, pq, pk, pv, pbt, plens, pqsl)
         rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
                      "way": "decode + prompts alone", "us": t * 1e6})
-        print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {'decode + prompts alone':<26}{'':>8}{t * 1e6:>9.1f}", flush=True)
+        print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {'decode + prompts alone':<36}{'':>8}{t * 1e6:>9.1f}", flush=True)
     return rows
 
 
@@ -941,6 +943,8 @@ def main():
     ap.add_argument("--query-layout", choices=("packed", "direct"),
                     help="the ragged kernel's queries packed per block, or read in place "
                          "(ragged_paged_attention.QUERY_LAYOUT)")
+    ap.add_argument("--block-order", choices=("sequence", "longest_first"),
+                    help="the ragged kernel's query blocks in this launch order (ragged_paged_attention.BLOCK_ORDER)")
     ap.add_argument("--stacked-kernel", choices=("triton", "mosaic"),
                     help="steps past decode size read the stacked weights with this kernel (model.STACKED_KERNEL)")
     ap.add_argument("--decode-small-grid", type=int,
@@ -974,11 +978,14 @@ def main():
         gpu_ragged.BLOCK_Q_RULE = args.block_q_rule
     if args.query_layout:
         gpu_ragged.QUERY_LAYOUT = args.query_layout
+    if args.block_order:
+        gpu_ragged.BLOCK_ORDER = args.block_order
     print(f"# bench_gpu  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  jax {jax.__version__}  "
           f"{dev.device_kind}  {os.cpu_count()} CPUs  split-K {'off' if args.no_split_k else 'auto'}  "
           f"grouped {'off' if args.no_grouped else 'on'}  stacked max tokens "
           f"{args.stacked_max_tokens or 'default'}  mixed {gpu_ragged.MIXED_DECODE_ROWS}  "
           f"block_q rule {gpu_ragged.BLOCK_Q_RULE}  query layout {gpu_ragged.QUERY_LAYOUT}  "
+          f"block order {gpu_ragged.BLOCK_ORDER}  "
           f"decode small grid {paged_attention.SMALL_GRID_PROGRAMS}  stacked kernel {stacked_kernel()}  "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.default_backend() == "gpu":

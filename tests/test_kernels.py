@@ -235,6 +235,18 @@ class TestPallasKernels:
         out = fn(*args, scale=scale_for(case["head_dim"]), interpret=self.INTERPRET)
         assert_matches(out, ref, case["dtype"])
 
+    @pytest.mark.parametrize("layout", ["direct", "packed"])
+    @pytest.mark.parametrize("fn", [ragged_paged_attention, mixed_paged_attention], ids=["ragged", "mixed"])
+    @pytest.mark.parametrize("case", SUBSET[:2], ids=case_id)
+    def test_longest_first_block_order(self, case, fn, layout, monkeypatch):
+        # The blocks launched by decreasing keys walked: outputs land in their tokens' places in
+        # either layout (the packed one renumbers each token's block to match).
+        monkeypatch.setattr(gpu_ragged, "QUERY_LAYOUT", layout)
+        monkeypatch.setattr(gpu_ragged, "BLOCK_ORDER", "longest_first")
+        args, ref = ragged_inputs(case_id(case))
+        out = fn(*args, scale=scale_for(case["head_dim"]), interpret=self.INTERPRET)
+        assert_matches(out, ref, case["dtype"])
+
     def test_mixed_split_with_split_k_and_mean_block_q(self, monkeypatch):
         monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "mean")
         case = dict(block_size=16, ratio=4, head_dim=64, dtype=jnp.float32)
@@ -313,6 +325,25 @@ def test_block_q_rules(monkeypatch):
     monkeypatch.setattr(gpu_ragged, "BLOCK_Q_RULE", "median")
     with pytest.raises(ValueError, match="BLOCK_Q_RULE"):
         default_block_q(720, 256, 4)
+
+
+def test_longest_first_orders_blocks_by_keys_walked():
+    # Rows: a 5-token prompt chunk at positions 3-7 (blocks of 2: keys 5, 7, 8), a decode row
+    # at context 20 (20), one at context 2 (2); 16 token slots, so padding blocks follow.
+    qsl, lens = jnp.array([0, 5, 6, 7]), jnp.array([8, 20, 2])
+    blocks, (tok_block, _, valid) = common.q_block_schedule(qsl, lens, 16, 2)
+    (seq, tok0, nq, pos0), tb = gpu_ragged.order_blocks(blocks, tok_block, "longest_first")
+    real = int((nq > 0).sum())
+    assert real == 5 and bool(jnp.all(nq[real:] == 0))
+    assert (pos0 + nq)[:real].tolist() == [20, 8, 7, 5, 2]
+    assert seq[:real].tolist() == [1, 0, 0, 0, 2]
+    for t in range(7):  # every real token still finds its own block, at its new place
+        b = int(tb[t])
+        assert int(tok0[b]) <= t < int(tok0[b] + nq[b])
+    same = gpu_ragged.order_blocks(blocks, tok_block, "sequence")
+    assert same[0] is blocks and same[1] is tok_block
+    with pytest.raises(ValueError, match="BLOCK_ORDER='random'"):
+        gpu_ragged.order_blocks(blocks, tok_block, "random")
 
 
 def test_query_layout_is_checked(monkeypatch):
