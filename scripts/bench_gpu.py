@@ -541,6 +541,7 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, bud
     host's dispatch rate."""
     from jaxpaged.pallas.stacked_matmul import MatmulConfig, grouped_config, grouped_stacked_matmul
     from jaxpaged.pallas.stacked_matmul_mgpu import MosaicMatmulConfig, mosaic_grouped_stacked_matmul
+    from jaxpaged.pallas.stacked_matmul_mgpu import default_config as mosaic_default_config
     from jaxpaged.pallas.stacked_matmul_mgpu import supports as mosaic_supports
 
     print("\n## Stacked matmul vs XLA (x @ w[layer] of [3, K, N] stacks), Llama-3-8B projections, bf16")
@@ -571,13 +572,18 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, bud
                 cands.append(("default unsplit", jax.jit(functools.partial(kernel, splits=1)),
                               config._replace(splits=1)))
             if T > 64 and mosaic_supports(K, widths, x.dtype):  # the Mosaic GPU kernel (wgmma, TMA)
-                mcfgs = [MosaicMatmulConfig()]
+                auto = mosaic_default_config(T, K, widths, 2 if interpret else jax.devices()[0].core_count)
+                mcfgs = [(None, auto)]  # its tiles chosen by shape, as the model calls it
                 if full:
-                    mcfgs += [MosaicMatmulConfig(tile_m=64), MosaicMatmulConfig(max_concurrent_steps=3),
-                              MosaicMatmulConfig(tile_n=64, max_concurrent_steps=5)]
-                for mc in mcfgs:
-                    cands.append((f"mosaic m{mc.tile_m} n{2 * mc.tile_n} k{mc.tile_k} st{mc.max_concurrent_steps}",
-                                  jax.jit(functools.partial(mosaic_grouped_stacked_matmul, config=mc,
+                    mcfgs += [(c, c) for c in (MosaicMatmulConfig(), MosaicMatmulConfig(tile_n=64),
+                                               MosaicMatmulConfig(tile_m=64),
+                                               MosaicMatmulConfig(tile_m=64, tile_n=64),
+                                               MosaicMatmulConfig(max_concurrent_steps=3))
+                              if c != auto and all(n % (2 * c.tile_n) == 0 for n in widths)]
+                for given, mc in mcfgs:
+                    cands.append((f"mosaic{' default' if given is None else ''} m{mc.tile_m} n{2 * mc.tile_n} "
+                                  f"k{mc.tile_k} st{mc.max_concurrent_steps}",
+                                  jax.jit(functools.partial(mosaic_grouped_stacked_matmul, config=given,
                                                             interpret=interpret)), None))
             if full:  # (block_t, block_n, block_k, warps, stages, splits), in both launch orders past one tile
                 t = max(16, next_power_of_2(T))

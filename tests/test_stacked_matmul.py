@@ -248,19 +248,21 @@ def small_mosaic():
     return MosaicMatmulConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_m=64, epi_n=64)
 
 
-@pytest.mark.parametrize("T, K, widths, layer", [
-    (100, 192, (256, 128, 128), 1),  # q/k/v-like: three stacks, tokens padded to two token tiles
-    (64, 128, (128,), 2),  # one stack, one tile of each
-    (130, 64, (128, 128), 0),  # gate/up-like, three token tiles
+@pytest.mark.parametrize("T, K, widths, layer, small", [
+    (100, 192, (256, 128, 128), 1, True),  # q/k/v-like: three stacks, tokens padded to two token tiles
+    (64, 128, (128,), 2, True),  # one stack, one tile of each
+    (130, 64, (128, 128), 0, True),  # gate/up-like, three token tiles
+    (100, 128, (256, 256), 1, False),  # the tiles default_config picks (128 x 256, 4 stages)
 ])
-def test_mosaic_matches_each_layer_matmul_in_the_interpreter(T, K, widths, layer):
+def test_mosaic_matches_each_layer_matmul_in_the_interpreter(T, K, widths, layer, small):
     from jaxpaged.pallas.stacked_matmul_mgpu import mosaic_grouped_stacked_matmul
 
     kx, kw = jax.random.split(jax.random.key(T + K + layer))
     x = jax.random.normal(kx, (T, K), jnp.float32).astype(jnp.bfloat16)
     ws = tuple((jax.random.normal(k, (3, K, n), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
                for k, n in zip(jax.random.split(kw, len(widths)), widths))
-    got = mosaic_grouped_stacked_matmul(x, ws, jnp.int32(layer), config=small_mosaic(), interpret=True)
+    got = mosaic_grouped_stacked_matmul(x, ws, jnp.int32(layer), config=small_mosaic() if small else None,
+                                        interpret=True)
     assert len(got) == len(widths)
     for out, w in zip(got, ws):
         want = jnp.einsum("TK,KN->TN", x.astype(jnp.float32), w[layer].astype(jnp.float32),
@@ -285,6 +287,22 @@ def test_mosaic_refuses_what_it_cannot_tile_and_names_it():
         mosaic_grouped_stacked_matmul(x, (jnp.zeros((2, 576, 192), jnp.bfloat16),), 0)
     with pytest.raises(ValueError, match="expected one dtype"):
         mosaic_grouped_stacked_matmul(x, (jnp.zeros((2, 576, 256), jnp.float32),), 0)
+
+
+def test_mosaic_tiles_shrink_until_every_multiprocessor_has_one():
+    from jaxpaged.pallas.stacked_matmul_mgpu import (DEFAULT_CONFIG, MosaicMatmulConfig, check_config,
+                                                     default_config)
+
+    assert default_config(1024, 4096, (14336, 14336), 132) == DEFAULT_CONFIG  # gate/up: 8 x 112 tiles
+    c = default_config(512, 4096, (4096, 1024, 1024), 132)  # q/k/v: 4 x 24 tiles of 128 x 256
+    assert (c.tile_m, c.tile_n) == (128, 64)  # 4 x 48
+    c = default_config(256, 14336, (4096,), 132)  # down: no tile reaches 132; the most tiles
+    assert (c.tile_m, c.tile_n) == (64, 64)  # 4 x 32
+    assert default_config(256, 4096, (384,), 132).tile_n == 64  # only the narrow tile divides 384
+    for bad in (MosaicMatmulConfig(tile_m=96), MosaicMatmulConfig(epi_m=128, tile_m=64),
+                MosaicMatmulConfig(max_concurrent_steps=0)):
+        with pytest.raises(ValueError, match="does not fit"):
+            check_config(bad)
 
 
 def test_mosaic_lowers_for_cuda_at_llama_3_8b_shapes():

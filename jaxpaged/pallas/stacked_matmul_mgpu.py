@@ -53,6 +53,11 @@ class MosaicMatmulConfig(NamedTuple):
 
 
 DEFAULT_CONFIG = MosaicMatmulConfig()
+# Smaller tiles, tried in this order when the default leaves multiprocessors idle: at 256
+# tokens Llama-3-8B's o and down projections (4,096 wide) are 32 tiles of 128 x 256 for
+# 132 multiprocessors.
+SMALLER_CONFIGS = (MosaicMatmulConfig(tile_n=64), MosaicMatmulConfig(tile_m=64),
+                   MosaicMatmulConfig(tile_m=64, tile_n=64))
 # Programs when no GPU can say how many multiprocessors it has (tracing the CUDA branch on
 # CPU, lowering for "cuda" without a GPU): a Hopper GPU's 132.
 DEFAULT_NUM_SMS = 132
@@ -66,6 +71,25 @@ def supports(K: int, widths: tuple[int, ...], dtype, config: MosaicMatmulConfig 
             and all(n % (2 * config.tile_n) == 0 for n in widths))
 
 
+def check_config(config: MosaicMatmulConfig) -> None:
+    """Raise if ``config``'s tiles do not fit together (wgmma takes 64-row tiles per warpgroup)."""
+    tm, tn, tk, steps, em, en = config
+    if tm % 64 or tn % 8 or tk % 8 or steps < 1 or em <= 0 or en <= 0 or tm % em or tn % en:
+        raise ValueError(f"mosaic stacked matmul: {config} does not fit: tile_m a multiple of 64, tile_n and "
+                         "tile_k of 8, epi_m dividing tile_m and epi_n dividing tile_n, max_concurrent_steps >= 1")
+
+
+def default_config(T: int, K: int, widths: tuple[int, ...], num_sms: int) -> MosaicMatmulConfig:
+    """The default tile (:data:`DEFAULT_CONFIG`) where it gives every multiprocessor an output
+    tile; else the first of :data:`SMALLER_CONFIGS` that does and fits the widths, else the
+    one with the most tiles. Each program then walks at least one tile."""
+    def tiles(c):
+        return -(-T // c.tile_m) * (sum(widths) // (2 * c.tile_n))
+
+    fits = [c for c in (DEFAULT_CONFIG, *SMALLER_CONFIGS) if all(n % (2 * c.tile_n) == 0 for n in widths)]
+    return next((c for c in fits if tiles(c) >= num_sms), max(fits, key=tiles))
+
+
 def _num_sms() -> int:
     dev = jax.devices()[0]
     if dev.platform == "gpu":
@@ -75,7 +99,8 @@ def _num_sms() -> int:
 
 
 def _kernel(layer_gmem, x_gmem, *refs, config: MosaicMatmulConfig, tile_starts: tuple[int, ...], m_iters: int):
-    *w_gmems, o_gmem = refs
+    w_gmems, o_gmems = refs[:len(refs) // 2], refs[len(refs) // 2:]  # one output per stack
+    o_dtype = o_gmems[0].dtype
     tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
     em, en = config.epi_m, config.epi_n
     cta_n = 2 * tn
@@ -110,7 +135,7 @@ def _kernel(layer_gmem, x_gmem, *refs, config: MosaicMatmulConfig, tile_starts: 
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmems[0].at[layer]),
-        out_smem=plgpu.SMEM((2, slots, em, en), o_gmem.dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM((2, slots, em, en), o_dtype, transforms=out_transforms),
         collective_axes="wg",
     )
     def _scope(allocations, out_smem):
@@ -123,11 +148,11 @@ def _kernel(layer_gmem, x_gmem, *refs, config: MosaicMatmulConfig, tile_starts: 
             mi, ni = lax.rem(t, m_iters), lax.div(t, m_iters)  # token tiles fastest: one weight tile at a time
             rows = pl.ds(mi * tm, tm)
 
-            def context(run):
+            def context(run, o_gmem, col):  # col: the column tile within o_gmem's stack
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                 def _acc(acc_ref):
                     run(acc_ref)
-                    acc = acc_ref[...].astype(o_gmem.dtype)
+                    acc = acc_ref[...].astype(o_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read out_smem
                     for i in range(tm // em):
                         for j in range(tn // en):
@@ -137,7 +162,7 @@ def _kernel(layer_gmem, x_gmem, *refs, config: MosaicMatmulConfig, tile_starts: 
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(
                                 out_smem.at[wg, slot],
-                                o_gmem.at[rows, pl.ds(ni * cta_n, cta_n)].at[:, wg_cols]
+                                o_gmem.at[rows, pl.ds(col * cta_n, cta_n)].at[:, wg_cols]
                                 .at[pl.ds(i * em, em), pl.ds(j * en, en)])
 
             def mma(_, x_smem, w_smem, acc_ref):
@@ -145,10 +170,12 @@ def _kernel(layer_gmem, x_gmem, *refs, config: MosaicMatmulConfig, tile_starts: 
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            for w_gmem, lo, hi in zip(w_gmems, tile_starts, tile_starts[1:]):
-                def run(w_gmem=w_gmem, lo=lo):
-                    pipeline(mma, context)(x_gmem.at[rows, :], w_gmem.at[layer].at[:, pl.ds((ni - lo) * cta_n, cta_n)],
-                                           allocations=allocations)
+            for w_gmem, o_gmem, lo, hi in zip(w_gmems, o_gmems, tile_starts, tile_starts[1:]):
+                def run(w_gmem=w_gmem, o_gmem=o_gmem, lo=lo):
+                    col = ni - lo
+                    pipeline(mma, functools.partial(context, o_gmem=o_gmem, col=col))(
+                        x_gmem.at[rows, :], w_gmem.at[layer].at[:, pl.ds(col * cta_n, cta_n)],
+                        allocations=allocations)
 
                 if len(w_gmems) == 1:
                     run()
@@ -168,7 +195,6 @@ def mosaic_grouped_stacked_matmul(
 ) -> tuple[Float[Array, "T _"], ...]:
     """``tuple(x @ w[layer] for w in ws)`` in one launch of the Mosaic GPU kernel (see the
     module's docstring); ``interpret`` runs it in Mosaic GPU's interpreter (CPU tests)."""
-    config = config or DEFAULT_CONFIG
     if x.ndim != 2 or not ws or any(w.ndim != 3 or w.shape[:2] != ws[0].shape[:2] for w in ws) \
             or x.shape[1] != ws[0].shape[1]:
         raise ValueError(f"mosaic stacked matmul: x {x.shape} and w {', '.join(str(w.shape) for w in ws)} must be "
@@ -177,36 +203,37 @@ def mosaic_grouped_stacked_matmul(
         raise ValueError(f"mosaic stacked matmul: x is {x.dtype}, w {', '.join(str(w.dtype) for w in ws)}; "
                          "expected one dtype")
     widths = tuple(w.shape[2] for w in ws)
+    num_sms = INTERPRET_NUM_SMS if interpret else _num_sms()
+    if config is None and supports(x.shape[1], widths, x.dtype):
+        config = default_config(x.shape[0], x.shape[1], widths, num_sms)
+    config = config or DEFAULT_CONFIG
+    check_config(config)
     if not supports(x.shape[1], widths, x.dtype, config):
         raise ValueError(f"mosaic stacked matmul: K={x.shape[1]} and widths {widths} in {x.dtype} do not fit tiles "
                          f"{config} (bf16/f16, K % tile_k == 0, widths % (2 * tile_n) == 0)")
-    num_sms = INTERPRET_NUM_SMS if interpret else _num_sms()
     return _mosaic_stacked_matmul(x, tuple(ws), jnp.asarray(layer, jnp.int32).reshape(1), config=config,
                                   interpret=interpret, num_sms=num_sms)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "num_sms"))
 def _mosaic_stacked_matmul(x, ws, layer, *, config, interpret, num_sms):
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
     T, K = x.shape
     widths = [w.shape[2] for w in ws]
     cta_n = 2 * config.tile_n
     Tp = pl.cdiv(T, config.tile_m) * config.tile_m
     xp = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
     tile_starts = tuple(int(t) for t in np.cumsum([0, *widths]) // cta_n)
+    if interpret:  # Mosaic GPU's interpreter (a private module: imported only for CPU tests)
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret = InterpretGPUParams()
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, tile_starts=tile_starts, m_iters=Tp // config.tile_m),
-        out_type=jax.ShapeDtypeStruct((Tp, sum(widths)), x.dtype),
+        out_type=tuple(jax.ShapeDtypeStruct((Tp, n), x.dtype) for n in widths),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=InterpretGPUParams() if interpret else None,
+        interpret=interpret or None,
     )
-    out = kernel(layer, xp, *ws)
-    out = out[:T] if Tp != T else out
-    if len(ws) == 1:
-        return (out,)
-    return tuple(out[:, a:b] for a, b in zip(np.cumsum([0, *widths[:-1]]), np.cumsum(widths)))
+    return tuple(o[:T] if Tp != T else o for o in kernel(layer, xp, *ws))
