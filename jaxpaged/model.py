@@ -33,8 +33,6 @@ from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
-from jaxpaged.pallas.stacked_matmul_mgpu import mosaic_grouped_stacked_matmul
-from jaxpaged.pallas.stacked_matmul_mgpu import supports as mosaic_supports
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
@@ -110,6 +108,8 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
 
     if STACKED_KERNEL not in ("triton", "mosaic"):
         raise ValueError(f"STACKED_KERNEL={STACKED_KERNEL!r}: 'triton' or 'mosaic'")
+    if STACKED_KERNEL == "mosaic":  # imported only when asked for (jax's Mosaic GPU modules: ~0.1 s)
+        from jaxpaged.pallas import stacked_matmul_mgpu
 
     def dense(x, w):
         k = x.ndim - 1
@@ -136,10 +136,10 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
 
         widths = tuple(math.prod(o) for o in outs)
         mosaic = (STACKED_KERNEL == "mosaic" and x.shape[0] > MOSAIC_MIN_TOKENS
-                  and mosaic_supports(K, widths, x.dtype))
+                  and stacked_matmul_mgpu.supports(K, widths, x.dtype))
 
         def kernel(x, ws, layer):
-            impl = mosaic_grouped_stacked_matmul if mosaic else grouped_stacked_matmul
+            impl = stacked_matmul_mgpu.mosaic_grouped_stacked_matmul if mosaic else grouped_stacked_matmul
             res = impl(x.reshape(x.shape[0], K), tuple(ws), layer, interpret=False)
             return tuple(r.reshape(x.shape[0], *out) for r, out in zip(res, outs))
 
