@@ -66,6 +66,7 @@ import bench_kernels
 from bench_common import new_figure, random_params, save_figure, save_json
 from bench_kernels import contiguous_cache, contiguous_dense
 
+from jaxpaged import model as jaxpaged_model
 from jaxpaged.padding import next_power_of_2, row_bucket, token_bucket
 from jaxpaged.pallas import paged_attention
 from jaxpaged.pallas import ragged_paged_attention as gpu_ragged
@@ -105,12 +106,6 @@ def looped(f, reps: int):
 
     return jax.jit(lambda x, ws, layer: jax.lax.fori_loop(
         0, reps, lambda i, acc: body(i, acc, x, ws, layer), jnp.float32(0)))
-
-
-def stacked_kernel() -> str:
-    from jaxpaged import model
-
-    return model.STACKED_KERNEL
 
 
 def ceilings():
@@ -579,7 +574,7 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, bud
                                                MosaicMatmulConfig(tile_m=64),
                                                MosaicMatmulConfig(tile_m=64, tile_n=64),
                                                MosaicMatmulConfig(max_concurrent_steps=3))
-                              if c != auto and all(n % (2 * c.tile_n) == 0 for n in widths)]
+                              if c != auto and mosaic_supports(K, widths, x.dtype, c)]
                 for given, mc in mcfgs:
                     cands.append((f"mosaic{' default' if given is None else ''} m{mc.tile_m} n{2 * mc.tile_n} "
                                   f"k{mc.tile_k} st{mc.max_concurrent_steps}",
@@ -968,14 +963,11 @@ def main():
         from jaxpaged.pallas import stacked_matmul
         stacked_matmul.SPLIT_K = False
     if args.no_grouped:
-        from jaxpaged import model
-        model.GROUPED_PROJECTIONS = False
+        jaxpaged_model.GROUPED_PROJECTIONS = False
     if args.stacked_max_tokens is not None:
-        from jaxpaged import model
-        model.STACKED_MAX_TOKENS = args.stacked_max_tokens
+        jaxpaged_model.STACKED_MAX_TOKENS = args.stacked_max_tokens
     if args.stacked_kernel:
-        from jaxpaged import model
-        model.STACKED_KERNEL = args.stacked_kernel
+        jaxpaged_model.STACKED_KERNEL = args.stacked_kernel
     if args.decode_small_grid is not None:
         paged_attention.SMALL_GRID_PROGRAMS = args.decode_small_grid
     if args.mixed:
@@ -992,7 +984,7 @@ def main():
           f"{args.stacked_max_tokens or 'default'}  mixed {gpu_ragged.MIXED_DECODE_ROWS}  "
           f"block_q rule {gpu_ragged.BLOCK_Q_RULE}  query layout {gpu_ragged.QUERY_LAYOUT}  "
           f"block order {gpu_ragged.BLOCK_ORDER}  "
-          f"decode small grid {paged_attention.SMALL_GRID_PROGRAMS}  stacked kernel {stacked_kernel()}  "
+          f"decode small grid {paged_attention.SMALL_GRID_PROGRAMS}  stacked kernel {jaxpaged_model.STACKED_KERNEL}  "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.default_backend() == "gpu":
         copy_bw, bw, rates = ceilings()

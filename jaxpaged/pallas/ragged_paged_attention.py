@@ -217,8 +217,6 @@ def ragged_paged_attention(
         block_q = default_block_q(q.shape[0], block_tables.shape[0], common.next_power_of_2(G))
     if QUERY_LAYOUT not in ("packed", "direct"):
         raise ValueError(f"QUERY_LAYOUT={QUERY_LAYOUT!r}: 'packed' or 'direct'")
-    if BLOCK_ORDER not in ("sequence", "longest_first"):
-        raise ValueError(f"BLOCK_ORDER={BLOCK_ORDER!r}: 'sequence' or 'longest_first'")
     # The settings go in as static arguments: a module global read under the jit would be
     # hidden by the trace cached for the same shapes.
     return _ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_lens,

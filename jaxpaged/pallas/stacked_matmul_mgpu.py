@@ -68,7 +68,12 @@ INTERPRET_NUM_SMS = 2
 def supports(K: int, widths: tuple[int, ...], dtype, config: MosaicMatmulConfig = DEFAULT_CONFIG) -> bool:
     """Whether ``[T, K] x [K, N]`` for these output widths fits the kernel's tiles and dtype."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and K % config.tile_k == 0
-            and all(n % (2 * config.tile_n) == 0 for n in widths))
+            and widths_fit(widths, config))
+
+
+def widths_fit(widths: tuple[int, ...], config: MosaicMatmulConfig) -> bool:
+    """Whether every output width is a whole number of ``config``'s column tiles."""
+    return all(n % (2 * config.tile_n) == 0 for n in widths)
 
 
 def check_config(config: MosaicMatmulConfig) -> None:
@@ -86,7 +91,7 @@ def default_config(T: int, K: int, widths: tuple[int, ...], num_sms: int) -> Mos
     def tiles(c):
         return -(-T // c.tile_m) * (sum(widths) // (2 * c.tile_n))
 
-    fits = [c for c in (DEFAULT_CONFIG, *SMALLER_CONFIGS) if all(n % (2 * c.tile_n) == 0 for n in widths)]
+    fits = [c for c in (DEFAULT_CONFIG, *SMALLER_CONFIGS) if widths_fit(widths, c)]
     return next((c for c in fits if tiles(c) >= num_sms), max(fits, key=tiles))
 
 
