@@ -18,7 +18,9 @@
 5. The CPU form's four projections (fused q/k/v, o, fused gate/up, down) over the default
    model's 30 layers, random weights, as the engine runs them (a ``lax.switch`` per layer
    inside a scan): ``[in, out]`` weights with the plain dot, with ``model._cpu_dot`` (a
-   one-token step splits the contraction), and ``[out, in]`` weights; at 1 and 48 tokens.
+   one-token step splits the contraction), and ``[out, in]`` weights with the plain dot and
+   with ``model._cpu_dot`` (a one-token step over a small weight, ``o``'s, runs as a batch of
+   two row halves); at 1 and 48 tokens.
    Weight GB/s = the 425 MB of weights / time.
 6. The decode forward at 1 and 48 rows (the default model's shapes, random weights, as the
    engine runs it on CPU), whole and with attention left out, beside its floor as
@@ -316,6 +318,9 @@ def projection_rows(token_counts, reps, num_layers=30, d=576, qkv=960, f=1536):
     def out_in(x, w):
         return lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=hi)
 
+    def out_in_cpu_dot(x, w):
+        return _cpu_dot(x, w, out_in=True, precision=hi)
+
     def make(dot, layers):
         def layer(p, x):
             h = dot(x, p["wqkv"])[:, :d]
@@ -329,11 +334,11 @@ def projection_rows(token_counts, reps, num_layers=30, d=576, qkv=960, f=1536):
                                           jnp.arange(num_layers))[0])
 
     variants = {"[in, out], plain dot": make(plain, io), "[in, out], _cpu_dot": make(split, io),
-                "[out, in]": make(out_in, oi)}
+                "[out, in], plain dot": make(out_in, oi), "[out, in], _cpu_dot": make(out_in_cpu_dot, oi)}
     rows = []
     for t in token_counts:
         x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32))
-        cases = {name: (f, (x,)) for name, f in variants.items() if t == 1 or name != "[in, out], _cpu_dot"}
+        cases = {name: (f, (x,)) for name, f in variants.items() if t == 1 or not name.endswith("_cpu_dot")}
         res = time_round_robin(cases, reps=reps)
         base = res["[in, out], plain dot"][0]
         rows += [(t, name, med * 1e3, mn * 1e3, nbytes / med / 1e9, med / base) for name, (med, mn) in res.items()]

@@ -87,19 +87,21 @@ def test_one_token_steps_match_hf(tiny_hf, form):
 
 @pytest.mark.parametrize("out_in", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("k", [64, 576, 1536, 30])
-def test_cpu_dot_equals_the_plain_product(k, dtype, out_in):
-    """One row (split contraction, when ``k`` divides and the weight is ``[in, out]``) and
-    several rows (plain), either layout, against numpy in float64, at the dtype's precision
-    (bfloat16: the partial sums are added in float32)."""
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 96), (1536, 96), (30, 96), (576, 95), (1024, 1024)])
+def test_cpu_dot_equals_the_plain_product(k, n, dtype, out_in):
+    """One row (split contraction when ``k`` divides and the weight is ``[in, out]``; two row
+    halves in a batch when the weight is ``[out, in]``, ``n`` even and the weight small, plain
+    otherwise: 95 columns, or 1024 x 1024 > ``ONE_THREAD_MATVEC_MAX``) and several rows
+    (plain), either layout, against numpy in float64, at the dtype's precision (bfloat16: the
+    partial sums are added in float32)."""
     import jax
     import jax.numpy as jnp
 
     from jaxpaged.model import _cpu_dot
 
-    rng = np.random.default_rng(k)
+    rng = np.random.default_rng(k + n)
     dt, tol = (jnp.float32, 1e-5) if dtype == "float32" else (jnp.bfloat16, 1e-2)
-    w = jnp.asarray(rng.standard_normal((k, 96), dtype=np.float32), dt)
+    w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32), dt)
     for rows in (1, 3):
         x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32), dt)
         got = _cpu_dot(x, w.T if out_in else w, out_in=out_in, precision=jax.lax.Precision.HIGHEST)
