@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from jaxpaged import sharding
+from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backend
 from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
@@ -266,23 +266,32 @@ class FusedLayer(nnx.Module):
     ``wqkv`` ``[D, (N + 2K) * H]`` (the q, k, v columns in that order), ``wo`` ``[N * H, D]``,
     ``w_gate_up`` ``[D, 2F]`` (the gate's columns first), ``w_down`` ``[F, D]``; with
     ``out_in`` each of the four transposed, ``[out, in]`` (see :func:`choose_cpu_layout`).
+    Built from :func:`fused_layer_arrays` once they are on the device.
     """
 
-    def __init__(self, stacked: DecoderLayer, i: int, *, out_in: bool = False):
-        def take(name):
-            return getattr(stacked, name)[...][i]
+    NAMES = ("input_norm", "wqkv", "wo", "post_attn_norm", "w_gate_up", "w_down")
 
-        def weight(w):
-            return nnx.Param(w.T if out_in else w)  # w.T is a new row-major array
-
-        D = take("input_norm").shape[0]
+    def __init__(self, arrays: dict, *, out_in: bool = False):
         self.out_in = out_in
-        self.input_norm = nnx.Param(take("input_norm"))
-        self.wqkv = weight(jnp.concatenate([take(n).reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1))
-        self.wo = weight(take("wo").reshape(-1, D))
-        self.post_attn_norm = nnx.Param(take("post_attn_norm"))
-        self.w_gate_up = weight(jnp.concatenate([take("w_gate"), take("w_up")], axis=1))
-        self.w_down = weight(take("w_down"))
+        for name in self.NAMES:
+            setattr(self, name, nnx.Param(arrays[name]))
+
+
+def fused_layer_arrays(stacked: DecoderLayer, i: int, *, out_in: bool = False) -> dict[str, np.ndarray]:
+    """Layer ``i``'s weights in :class:`FusedLayer`'s arrays, on the host."""
+    def take(name):
+        return np.asarray(getattr(stacked, name)[...][i])
+
+    def weight(w):
+        return np.ascontiguousarray(w.T) if out_in else w
+
+    D = take("input_norm").shape[0]
+    return {"input_norm": take("input_norm"),
+            "wqkv": weight(np.concatenate([take(n).reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1)),
+            "wo": weight(take("wo").reshape(-1, D)),
+            "post_attn_norm": take("post_attn_norm"),
+            "w_gate_up": weight(np.concatenate([take("w_gate"), take("w_up")], axis=1)),
+            "w_down": weight(take("w_down"))}
 
 
 class Llama(nnx.Module):
@@ -332,8 +341,23 @@ class Llama(nnx.Module):
             raise ValueError(f"unstacked(): layout {layout!r} is not one of {CPU_LAYOUTS}")
         graphdef, state = nnx.split(self)
         model = nnx.merge(graphdef, state)
-        model.layers = nnx.List([FusedLayer(self.layers, i, out_in=layout == "out_in")
-                                 for i in range(self.cfg.num_layers)])
+        out_in = layout == "out_in"
+        L, names = self.cfg.num_layers, FusedLayer.NAMES
+        # All the layers' weights in one region of huge pages on CPU (jaxpaged.hugepages), filled
+        # a layer at a time.
+        device = next(iter(self.embed[...].devices()))
+        first = fused_layer_arrays(self.layers, 0, out_in=out_in)
+        host = hugepages.host_arrays([(first[n].shape, first[n].dtype) for n in names] * L, device)
+        layers = []
+        for i in range(L):
+            arrays = first if i == 0 else fused_layer_arrays(self.layers, i, out_in=out_in)
+            placed = {}
+            for n, dst in zip(names, host[i * len(names):(i + 1) * len(names)]):
+                dst[...] = arrays[n]
+                placed[n] = jax.device_put(dst, device)
+            layers.append(FusedLayer(placed, out_in=out_in))
+        model.layers = nnx.List(layers)
+        hugepages.collapse([model.embed[...]] + ([] if model.lm_head is None else [model.lm_head[...]]))
         return model
 
     @property

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged import sharding
+from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata
 from jaxpaged.batch import Batch, build_batch
 from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks
@@ -142,6 +142,9 @@ class ModelRunner:
                        else sharding.pool_sharding(self.mesh))
         self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
                                device=pool_device)
+        # On CPU, in huge pages: the attention's gathers read scattered 16 KB tiles of it, and a
+        # step updates the donated pool in place, so the pages last (jaxpaged.hugepages).
+        hugepages.collapse(self.kv)
         # A step's token ids, committed like the pending ones filled in on the device: host
         # ids left uncommitted made every step shape compile a second time, once for steps
         # with pending tokens (async scheduling) and once for steps without.
