@@ -93,19 +93,20 @@ def host_arrays(specs: Sequence[tuple[tuple[int, ...], np.dtype]], device) -> li
 
 
 def collapse(arrays: Iterable) -> int:
-    """Back the 2 MB-aligned interior of each CPU array's buffer with huge pages
+    """Back the 2 MB-aligned interior of each CPU array's buffers (one per shard) with huge pages
     (``MADV_HUGEPAGE``, then ``MADV_COLLAPSE``). Returns the bytes collapsed; 0 where huge
     pages are unavailable or the kernel refuses (``MADV_COLLAPSE`` needs Linux 6.1)."""
     if not available():
         return 0
     libc = _libc()
     done = 0
-    for a in arrays:
-        if next(iter(a.devices())).platform != "cpu":
+    buffers = [shard.data for a in arrays for shard in a.addressable_shards]  # a pool sharded over CPU devices too
+    for b in buffers:
+        if b.device.platform != "cpu":
             continue
-        ptr = a.unsafe_buffer_pointer()
+        ptr = b.unsafe_buffer_pointer()
         lo = -(-ptr // HUGE_PAGE) * HUGE_PAGE
-        hi = (ptr + a.nbytes) // HUGE_PAGE * HUGE_PAGE
+        hi = (ptr + b.nbytes) // HUGE_PAGE * HUGE_PAGE
         if hi <= lo:
             continue
         libc.madvise(lo, hi - lo, mmap.MADV_HUGEPAGE)
