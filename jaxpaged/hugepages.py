@@ -5,9 +5,9 @@ the attention's gathers, scattered 16 KB tiles of the pool. In 4 KB pages that i
 miss per 4 KB, and in a virtual machine each miss walks two page tables (guest and host). In
 2 MB pages the misses all but vanish. On a 2-vCPU Intel Xeon VM (Firecracker, THP in
 ``madvise`` mode, as most distributions ship it), the engine's single-stream decode went from
-29.6-30.8 to 27.2-28.6 ms a token with the weights in one huge-page region and the pool
-collapsed into huge pages (alternating processes; the same tokens); the 48-request decode
-batch did not move. Every buffer of the process in huge pages
+29.0-30.6 to 27.6-28.9 ms a token with the weights in one huge-page region and the
+embedding and the pool in huge pages (alternating processes; the same tokens; in a slower
+sitting later 32.4-34.9 -> 29.6-30.3); the 48-request decode batch did not move. Every buffer of the process in huge pages
 (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, which jaxpaged cannot set for a running
 process: XLA's temporary buffers too) measured 26.7-27.8.
 
@@ -18,9 +18,10 @@ Two ways in:
   then handed to jax without a copy (``jax.device_put`` of a host array aliases it on CPU).
   One region for all the weights: per-array buffers lose up to 2 MB at each end to alignment,
   which for the default model's ~1-7 MB projections is half of them.
-- :func:`collapse`: ``MADV_COLLAPSE`` (Linux 6.1+) on buffers jax already allocated, for the
-  pool, which is donated to every step and so must stay jax's own (a step updates it in place,
-  so its address, and its huge pages, last).
+- :func:`collapse`: huge pages for buffers jax already allocated: the embedding (copied into
+  huge pages by ``MADV_COLLAPSE``, Linux 6.1+) and the KV pool, which is donated to every step
+  and so must stay jax's own (a step updates it in place, so its address, and its huge pages,
+  last); a new pool is all zeros, so its pages are dropped and come back huge when written.
 
 Both fall back to doing nothing where huge pages are unavailable (not Linux, THP ``never``,
 an older kernel). ``JAXPAGED_HUGE_PAGES=0`` turns both off.
@@ -92,10 +93,14 @@ def host_arrays(specs: Sequence[tuple[tuple[int, ...], np.dtype]], device) -> li
     return [buf[o:o + n].view(dtype).reshape(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]
 
 
-def collapse(arrays: Iterable) -> int:
-    """Back the 2 MB-aligned interior of each CPU array's buffers (one per shard) with huge pages
-    (``MADV_HUGEPAGE``, then ``MADV_COLLAPSE``). Returns the bytes collapsed; 0 where huge
-    pages are unavailable or the kernel refuses (``MADV_COLLAPSE`` needs Linux 6.1)."""
+def collapse(arrays: Iterable, *, zeros: bool = False) -> int:
+    """Back the 2 MB-aligned interior of each CPU array's buffers (one per shard) with huge
+    pages: ``MADV_HUGEPAGE``, then ``MADV_COLLAPSE``, which copies what is there into huge
+    pages (Linux 6.1+; ~0.5 s for 1 GB here, up to 3 s when the kernel first has to compact
+    memory). With ``zeros`` (the caller's promise that the arrays hold only zeros, as a new
+    pool does) the pages are dropped instead (``MADV_DONTNEED``): they read as zeros again, and
+    the kernel backs each with a huge page when a write first touches it, at no cost up front.
+    Returns the bytes advised; 0 where huge pages are unavailable or the kernel refuses."""
     if not available():
         return 0
     libc = _libc()
@@ -104,12 +109,15 @@ def collapse(arrays: Iterable) -> int:
     for b in buffers:
         if b.device.platform != "cpu":
             continue
+        b.block_until_ready()  # nothing may still be writing the memory advised
         ptr = b.unsafe_buffer_pointer()
         lo = -(-ptr // HUGE_PAGE) * HUGE_PAGE
         hi = (ptr + b.nbytes) // HUGE_PAGE * HUGE_PAGE
         if hi <= lo:
             continue
-        libc.madvise(lo, hi - lo, mmap.MADV_HUGEPAGE)
-        if libc.madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
+        if libc.madvise(lo, hi - lo, mmap.MADV_HUGEPAGE) != 0:
+            continue
+        if libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED if zeros else _MADV_COLLAPSE) == 0:
             done += hi - lo
     return done
+

@@ -143,8 +143,9 @@ class ModelRunner:
         self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
                                device=pool_device)
         # On CPU, in huge pages: the attention's gathers read scattered 16 KB tiles of it, and a
-        # step updates the donated pool in place, so the pages last (jaxpaged.hugepages).
-        hugepages.collapse(self.kv)
+        # step updates the donated pool in place, so the pages last (jaxpaged.hugepages). The new
+        # pool is zeros: its pages are dropped, and come back huge as steps write them.
+        hugepages.collapse(self.kv, zeros=True)
         # A step's token ids, committed like the pending ones filled in on the device: host
         # ids left uncommitted made every step shape compile a second time, once for steps
         # with pending tokens (async scheduling) and once for steps without.

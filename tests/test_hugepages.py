@@ -73,9 +73,26 @@ def test_collapse_keeps_the_values():
     np.testing.assert_array_equal(np.asarray(x), want)
 
 
+def test_dropped_zero_pages_read_as_zeros_and_take_writes():
+    """``collapse(zeros=True)``: the pages of an all-zero buffer are dropped; it still reads as
+    zeros, and a donated in-place update writes into it."""
+    x = jax.device_put(np.zeros((2048, 1024), np.float32), CPU)
+    x = jax.jit(lambda a: a * 0.0)(x)  # a buffer of jax's own
+    done = hugepages.collapse([x], zeros=True)
+    assert done % hugepages.HUGE_PAGE == 0 and (done > 0) == hugepages.available()
+    assert not np.asarray(x).any()
+    ptr = x.unsafe_buffer_pointer()
+    y = jax.jit(lambda a: a.at[1000:1010].set(7.0), donate_argnums=0)(x)
+    assert y.unsafe_buffer_pointer() == ptr
+    want = np.zeros((2048, 1024), np.float32)
+    want[1000:1010] = 7.0
+    np.testing.assert_array_equal(np.asarray(y), want)
+
+
 def test_the_pool_keeps_its_buffer_across_steps(tiny_engine_model):
-    """The pool is collapsed once, when the runner makes it; steps update the donated pool in
-    place, so its buffer (and its huge pages) stay for the engine's life."""
+    """The pool's pages are dropped once, when the runner makes it (zeros); steps update the
+    donated pool in place, so its buffer (and the huge pages it faults in) stay for the
+    engine's life."""
     llm = LLM(tiny_engine_model, block_size=8, num_blocks=64)
     ptrs = (llm.runner.kv.k.unsafe_buffer_pointer(), llm.runner.kv.v.unsafe_buffer_pointer())
     llm.generate([[5, 6, 7] * 5, [9, 10]], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
