@@ -2,7 +2,6 @@
 aliased by jax, the fallback without huge pages, and the pool keeping its (collapsed) buffer."""
 
 import gc
-import os
 
 import jax
 import numpy as np
@@ -61,15 +60,12 @@ def test_huge_pages_can_be_turned_off(monkeypatch):
 
 
 def test_collapse_keeps_the_values():
-    """``MADV_COLLAPSE`` of an 8 MB buffer's aligned interior: whole huge pages (at least two on
-    Linux 6.1+ with transparent huge pages), the contents unchanged."""
-    x = jax.device_put(np.random.default_rng(1).standard_normal((2048, 1024), np.float32), CPU)
+    """``MADV_COLLAPSE`` of an 8 MB buffer's aligned interior: whole huge pages, the contents
+    unchanged. (How many it collapses is the kernel's call: it may find no free huge page.)"""
+    x = jax.jit(lambda a: a + 1.0)(np.random.default_rng(1).standard_normal((2048, 1024), np.float32))
     want = np.asarray(x).copy()
     done = hugepages.collapse([x])
-    assert done % hugepages.HUGE_PAGE == 0
-    kernel = tuple(int(v) for v in os.uname().release.split(".")[:2]) if hasattr(os, "uname") else (0, 0)
-    if hugepages.available() and kernel >= (6, 1):
-        assert done >= 2 * hugepages.HUGE_PAGE
+    assert done % hugepages.HUGE_PAGE == 0 and done <= x.nbytes
     np.testing.assert_array_equal(np.asarray(x), want)
 
 
