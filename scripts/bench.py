@@ -439,22 +439,25 @@ def roofline_table(results: list[RunResult], cost: ModelCost, ceil: dict) -> lis
         dec_t, mix_t = sum(s.seconds for s in dec), sum(s.seconds for s in mix)
         rf |= {"decode_floor_s": dec_floor, "decode_s": dec_t, "mixed_floor_s": mix_floor, "mixed_s": mix_t,
                "fraction_median_ceilings": r.roofline(cost, ceil["bandwidth_median"], ceil["flops_median"])[
-                   "fraction_of_roofline"]}
+                   "fraction_of_roofline"], "cores_busy": r.cores_busy}
         out.append(rf)
         rows.append([r.label, rf["flops"] / 1e12, rf["bytes"] / 1e9, rf["roofline_s"], r.wall_s,
                      rf["roofline_gen_tok_s"], r.gen_tok_s, rf["fraction_of_roofline"],
                      rf["fraction_median_ceilings"], rf["achieved_gflop_s"], rf["achieved_gb_s"],
-                     f"{dec_floor / dec_t:.2f}" if dec_t else "-", f"{mix_floor / mix_t:.2f}" if mix_t else "-"])
+                     f"{dec_floor / dec_t:.2f}" if dec_t else "-", f"{mix_floor / mix_t:.2f}" if mix_t else "-",
+                     f"{r.cores_busy:.2f} of {os.cpu_count()}"])
     table("Roofline (same run)", ["run", "TFLOP", "GB moved", "floor s", "wall s", "floor gen tok/s", "gen tok/s",
                                   "fraction of roofline", "fraction (median ceilings)", "GFLOP/s", "GB/s",
-                                  "decode steps: floor/time", "prefill+mixed steps: floor/time"], rows,
+                                  "decode steps: floor/time", "prefill+mixed steps: floor/time", "cores busy"], rows,
           [f"ceilings: {bw / 1e9:.1f} GB/s, {fl / 1e9:.0f} GFLOP/s (best seen); median "
            f"{ceil['bandwidth_median'] / 1e9:.1f} GB/s, {ceil['flops_median'] / 1e9:.0f} GFLOP/s",
            f"model: {cost.num_params / 1e6:.1f}M params ({cost.weight_bytes / 1e6:.0f} MB read per step), "
            f"{cost.body_params / 1e6:.1f}M outside the LM head; {2 * cost.body_params / 1e6:.0f} MFLOP per "
            f"prompt token, {2 * cost.num_params / 1e6:.0f} MFLOP per sampled token, + "
            f"{cost.attn_flops_per_ctx} FLOP x context; KV {cost.kv_bytes_per_token / 1e3:.1f} KB per token",
-           "fraction of roofline = floor s / wall s (1.0 = at the roofline); the target is >= 0.7"])
+           "fraction of roofline = floor s / wall s (1.0 = at the roofline); the target is >= 0.7",
+           "cores busy: the process's CPU seconds (every thread) per wall second of the run; XLA:CPU's "
+           "threads sleep between short ops, so on 2 vCPUs a 48-row run keeps ~1.7 busy"])
     return out
 
 

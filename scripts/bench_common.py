@@ -481,6 +481,12 @@ class RunResult:
     new_shapes: int  # step shapes first seen during the run
     wrong_lengths: int  # requests whose output length differs from max_tokens
     outputs: dict[int, list[int]]  # workload index -> first completion's token ids
+    cpu_s: float = float("nan")  # CPU time of the whole process (every thread) over the run
+
+    @property
+    def cores_busy(self) -> float:
+        """CPU seconds per wall second: how many of the machine's cores the run kept busy."""
+        return self.cpu_s / self.wall_s
 
     @property
     def gen_tok_s(self) -> float:
@@ -575,7 +581,7 @@ def _drive(llm, workload: Workload, params_for, label: str, *, arrivals: np.ndar
     bar = tqdm(total=len(workload), desc=label, unit="req", disable=not progress, dynamic_ncols=True, leave=False)
     steps: list[StepRecord] = []
     generated = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     due = collections.deque(order) if arrivals is not None else None
     if arrivals is None:
         for i in order:
@@ -617,7 +623,7 @@ def _drive(llm, workload: Workload, params_for, label: str, *, arrivals: np.ndar
                     bar.set_postfix_str(f"{generated / (te - t0):.1f} tok/s")
     finally:
         bar.close()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = llm.stats()
     c1, cs1 = counter.snapshot()
     wrong = sum(1 for rid, n in finished.items()
@@ -628,7 +634,7 @@ def _drive(llm, workload: Workload, params_for, label: str, *, arrivals: np.ndar
         engine_stats={k: after[k] - before[k] for k in _TIMER_KEYS} | {"peak_kv_utilization": after[
             "peak_kv_utilization"]},
         compiles=c1 - c0, compile_s=cs1 - cs0, new_shapes=len(llm.runner.compiled_shapes) - shapes0,
-        wrong_lengths=wrong + (len(workload) - len(finished)), outputs=outputs)
+        wrong_lengths=wrong + (len(workload) - len(finished)), outputs=outputs, cpu_s=cpu)
 
 
 # ---- host-only simulation -------------------------------------------------------------
