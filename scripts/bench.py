@@ -445,7 +445,7 @@ def roofline_table(results: list[RunResult], cost: ModelCost, ceil: dict) -> lis
                      rf["roofline_gen_tok_s"], r.gen_tok_s, rf["fraction_of_roofline"],
                      rf["fraction_median_ceilings"], rf["achieved_gflop_s"], rf["achieved_gb_s"],
                      f"{dec_floor / dec_t:.2f}" if dec_t else "-", f"{mix_floor / mix_t:.2f}" if mix_t else "-",
-                     f"{r.cores_busy:.2f} of {os.cpu_count()}"])
+                     f"{r.cores_busy:.2f} of {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}"])
     table("Roofline (same run)", ["run", "TFLOP", "GB moved", "floor s", "wall s", "floor gen tok/s", "gen tok/s",
                                   "fraction of roofline", "fraction (median ceilings)", "GFLOP/s", "GB/s",
                                   "decode steps: floor/time", "prefill+mixed steps: floor/time", "cores busy"], rows,
@@ -456,8 +456,8 @@ def roofline_table(results: list[RunResult], cost: ModelCost, ceil: dict) -> lis
            f"prompt token, {2 * cost.num_params / 1e6:.0f} MFLOP per sampled token, + "
            f"{cost.attn_flops_per_ctx} FLOP x context; KV {cost.kv_bytes_per_token / 1e3:.1f} KB per token",
            "fraction of roofline = floor s / wall s (1.0 = at the roofline); the target is >= 0.7",
-           "cores busy: the process's CPU seconds (every thread) per wall second of the run; XLA:CPU's "
-           "threads sleep between short ops, so on 2 vCPUs a 48-row run keeps ~1.7 busy"])
+           "cores busy: the process's CPU seconds (every thread) per wall second of the run, of the cores it may "
+           "use (the 48 x 128 run on 2 vCPUs: ~1.6-1.7, its threads waiting on each other between ops)"])
     return out
 
 
