@@ -114,6 +114,13 @@ def write_kv(kv: KVPool, layer: Int[Array, ""], k: Float[Array, "T KVH D"], v: F
     next to the attention loops reading the pool, made XLA:CPU copy the whole pool several
     times per layer (a 1-sequence decode step at 1456 blocks: 15 s instead of 60 ms).
     ``tests/test_kv_cache.py`` checks compiled steps for copies of the pool.
+
+    The slots are in the pool (the batch builder writes only slots the block manager
+    reserved, and padding into the null block), so the scatter clamps its indices
+    (``mode="clip"``) instead of checking each update and dropping those out of bounds, as
+    the model's gathers do: XLA:CPU's bounds-checked scatter took 4.5-6.7 ms of a 48-row
+    decode step of the default model (30 layers' K and V writes, 2-vCPU Intel Xeon), the
+    clamped one 1.0-1.2 ms.
     """
     if k.shape[0] == 1:
         k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
@@ -121,8 +128,8 @@ def write_kv(kv: KVPool, layer: Int[Array, ""], k: Float[Array, "T KVH D"], v: F
     bs = kv.block_size
     blk, off = slot_mapping // bs, slot_mapping % bs
     return KVPool(
-        kv.k.at[layer, blk, :, off, :].set(k.astype(kv.k.dtype)),
-        kv.v.at[layer, blk, :, off, :].set(v.astype(kv.v.dtype)),
+        kv.k.at[layer, blk, :, off, :].set(k.astype(kv.k.dtype), mode="clip"),
+        kv.v.at[layer, blk, :, off, :].set(v.astype(kv.v.dtype), mode="clip"),
     )
 
 

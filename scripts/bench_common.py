@@ -189,6 +189,53 @@ def _best_median(f, reps: int) -> tuple[float, float]:
     return min(ts), float(np.median(ts))
 
 
+def host_op_times(fn, *, reps: int = 3, top: int = 15) -> tuple[list[tuple[str, float, float]], float]:
+    """Where ``fn()``'s time goes on a CPU backend: ``([(op, ms per call, share)], ms per call)``.
+
+    Runs ``fn`` (which returns something to block on) ``reps`` times under ``jax.profiler`` and
+    sums each XLA op's *self* time over the threads that ran it (a ``while`` or ``cond`` minus
+    the ops inside it; the executor's and Python's own frames left out). An op split between
+    threads shows only the part its own thread ran, so the sum is a lower bound of the work and
+    the shares are of what the trace shows. The second value is the busiest thread's traced
+    time per call.
+    """
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(reps):
+                jax.block_until_ready(fn())
+        pd = ProfileData.from_file(sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))[-1])
+        self_ns: collections.Counter = collections.Counter()
+        busiest = 0
+        for plane in pd.planes:
+            if not plane.name.startswith("/host:CPU"):
+                continue
+            for line in plane.lines:
+                events = sorted((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events
+                                if not ev.name.startswith(("ThunkExecutor", "$", "PjitFunction", "python")))
+                stack: list[tuple[int, str]] = []  # (end, name) of the enclosing events
+                line_ns = 0
+                for start, end, name in events:
+                    while stack and stack[-1][0] <= start:
+                        stack.pop()
+                    if stack:
+                        self_ns[stack[-1][1]] -= end - start
+                    else:
+                        line_ns += end - start
+                    self_ns[name] += end - start
+                    stack.append((end, name))
+                busiest = max(busiest, line_ns)
+    total = sum(v for v in self_ns.values() if v > 0)
+    rows = [(name, ns / 1e6 / reps, ns / total) for name, ns in self_ns.most_common(top)]
+    return rows, busiest / 1e6 / reps
+
+
 def measure_ceilings(*, quick: bool = False) -> dict[str, float]:
     """Memory bandwidth (bytes read + written by a large copy) and float32 matmul FLOP/s.
 

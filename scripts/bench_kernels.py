@@ -26,7 +26,9 @@
    engine runs it on CPU), whole and with attention left out, beside its floor as
    ``bench.py``'s roofline counts it (weights at the copy bandwidth, matmul FLOPs at the
    2048^3 rate, both measured in this run): what the matmuls alone reach, so how much of
-   the floor a step could reach even if attention cost nothing.
+   the floor a step could reach even if attention cost nothing; and how many cores the
+   process kept busy (on 2 vCPUs: ~1.4-1.5 for a 48-row forward, 2026-11-27). ``--trace``
+   adds each forward's XLA ops by self time (``bench_common.host_op_times``).
 
 Shapes are the default model's attention (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64, float32), at the engine's default block size on this platform (64 on CPU, 16
@@ -35,6 +37,7 @@ correctness tool; it is timed at one size to justify ``backend="auto"`` = xla on
 
     python scripts/bench_kernels.py            # full run, a few minutes
     python scripts/bench_kernels.py --quick    # fewer shapes and repeats
+    python scripts/bench_kernels.py --only-forward --trace   # section 6, with where its time goes per op
 """
 
 from __future__ import annotations
@@ -345,11 +348,22 @@ def projection_rows(token_counts, reps, num_layers=30, d=576, qkv=960, f=1536):
     return rows
 
 
-def forward_rows(batches, reps, ctx=170, spread=60):
-    """``(weight bytes, [(rows, variant, median ms, min ms)])`` of the default model's decode forward as the
-    engine runs it on CPU (random weights, :func:`~jaxpaged.model.runtime_form`, 64-token
-    blocks), whole and with attention left out: the queries pass through, no K/V is written.
-    Rows have contexts spread over ``ctx +- spread`` (one row: ``ctx``)."""
+def cores_busy(f, reps=5):
+    """CPU seconds of the whole process (every thread) per wall second over ``reps`` calls of ``f()``."""
+    jax.block_until_ready(f())
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(reps):
+        jax.block_until_ready(f())
+    return (time.process_time() - c0) / (time.perf_counter() - t0)
+
+
+def forward_rows(batches, reps, ctx=170, spread=60, trace=False):
+    """``(weight bytes, [(rows, variant, median ms, min ms, cores busy)], {rows: op times})`` of the
+    default model's decode forward as the engine runs it on CPU (random weights,
+    :func:`~jaxpaged.model.runtime_form`, 64-token blocks), whole and with attention left out:
+    the queries pass through, no K/V is written. Rows have contexts spread over ``ctx +-
+    spread`` (one row: ``ctx``). With ``trace``, where the whole forward's time goes, per op
+    (:func:`bench_common.host_op_times`)."""
     import contextlib
 
     from flax import nnx
@@ -357,7 +371,7 @@ def forward_rows(batches, reps, ctx=170, spread=60):
     import jaxpaged.model as model_mod
     from jaxpaged.config import LlamaConfig
     from jaxpaged.loader import build_model
-    from bench_common import random_params
+    from bench_common import host_op_times, random_params
 
     cfg = LlamaConfig.smollm2_135m()
     model = model_mod.runtime_form(build_model(cfg, random_params(cfg), dtype=DTYPE))
@@ -393,7 +407,7 @@ def forward_rows(batches, reps, ctx=170, spread=60):
         return step
 
     rng = np.random.default_rng(0)
-    rows = []
+    rows, traces = [], {}
     for S in batches:
         lens = np.full(S, ctx) if S == 1 else rng.integers(ctx - spread, ctx + spread + 1, S)
         W = -(-int(lens.max()) // BS)
@@ -410,20 +424,32 @@ def forward_rows(batches, reps, ctx=170, spread=60):
         whole = compile_forward(params, pools[0], tokens, md)
         with without_attention():
             bare = compile_forward(params, pools[1], tokens, md)
-        res = time_round_robin({"whole": (stepper(whole, pools[0], tokens, md), ()),
-                                "without attention": (stepper(bare, pools[1], tokens, md), ())}, reps=reps)
-        rows += [(S, name, med * 1e3, mn * 1e3) for name, (med, mn) in res.items()]
-    return weight_bytes, rows
+        cases = {"whole": (stepper(whole, pools[0], tokens, md), ()),
+                 "without attention": (stepper(bare, pools[1], tokens, md), ())}
+        res = time_round_robin(cases, reps=reps)
+        rows += [(S, name, med * 1e3, mn * 1e3, cores_busy(cases[name][0])) for name, (med, mn) in res.items()]
+        if trace:
+            traces[S] = host_op_times(cases["whole"][0])
+    return weight_bytes, rows, traces
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only-forward", action="store_true", help="only the last section (the decode forward)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also where the decode forward's time goes, per XLA op (a jax.profiler trace)")
     args = ap.parse_args()
     reps = 5 if args.quick else 15
     print(f"# bench_kernels  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  "
           f"jax {jax.__version__}  {jax.default_backend()}  {platform.processor() or platform.machine()}  "
           f"{os.cpu_count()} CPUs  load {os.getloadavg()[0]:.1f}")
+    if not args.only_forward:
+        other_sections(args, reps)
+    forward_section(args, reps)
+
+
+def other_sections(args, reps):
     copy_bw, read_bw = bandwidth(reps)
     print(f"\nmemory bandwidth: in-place scale {copy_bw / 1e9:.1f} GB/s (read+write), "
           f"sum {read_bw / 1e9:.1f} GB/s (read)")
@@ -459,19 +485,32 @@ def main():
     for r in projection_rows((1, 48), 3 * reps):
         print(f"{r[0]:>7}  {r[1]:<24}{r[2]:>10.2f}{r[3]:>9.2f}{r[4]:>12.1f}{r[5]:>8.2f}x")
 
+
+
+def forward_section(args, reps):
     from bench_common import measure_ceilings
 
     ceil = measure_ceilings(quick=args.quick)
-    weights, rows = forward_rows((1, 48), reps)
+    weights, rows, traces = forward_rows((1, 48), reps, trace=args.trace)
     print(f"\n## the decode forward and its floors (default model's shapes, random weights, the CPU form; "
           f"48 rows at contexts 110-230, 1 at 170): the floor is the larger of the weights' bytes at the "
           f"bandwidth and the matmul FLOPs at the {ceil['matmul_n']}^3 rate, as bench.py's roofline takes them "
           f"({weights / 1e6:.0f} MB at {ceil['bandwidth'] / 1e9:.1f} GB/s, {ceil['flops'] / 1e9:.0f} GFLOP/s; "
           f"attention's FLOPs and KV bytes left out)")
-    print(f"{'rows':>5}  {'forward':<20}{'median ms':>10}{'min ms':>9}{'floor ms':>10}{'floor / median':>16}")
-    for S, name, med, mn in rows:
+    print(f"{'rows':>5}  {'forward':<20}{'median ms':>10}{'min ms':>9}{'floor ms':>10}{'floor / median':>16}"
+          f"{'cores busy':>12}")
+    for S, name, med, mn, busy in rows:
         floor = max(weights / ceil["bandwidth"], 2 * S * weights / jnp.dtype(DTYPE).itemsize / ceil["flops"])
-        print(f"{S:>5}  {name:<20}{med:>10.2f}{mn:>9.2f}{floor * 1e3:>10.2f}{floor * 1e3 / med:>16.2f}")
+        print(f"{S:>5}  {name:<20}{med:>10.2f}{mn:>9.2f}{floor * 1e3:>10.2f}{floor * 1e3 / med:>16.2f}"
+              f"{busy:>9.2f} of {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}")
+    print("cores busy: the process's CPU seconds (every thread) per wall second while the forward runs")
+    for S, (ops, busiest) in traces.items():
+        print(f"\n## where the whole forward's time goes at {S} row(s): XLA ops by self time summed over the threads "
+              f"that ran them (an op split between threads counts its own thread's part); busiest thread "
+              f"{busiest:.2f} ms a call")
+        print(f"{'op':<44}{'ms a call':>10}{'share':>8}")
+        for name, ms, share in ops:
+            print(f"{name[:43]:<44}{ms:>10.3f}{share:>8.1%}")
 
 
 if __name__ == "__main__":
