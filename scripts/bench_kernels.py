@@ -27,7 +27,8 @@
    ``bench.py``'s roofline counts it (weights at the copy bandwidth, matmul FLOPs at the
    2048^3 rate, both measured in this run): what the matmuls alone reach, so how much of
    the floor a step could reach even if attention cost nothing; and how many cores the
-   process kept busy (on 2 vCPUs: ~1.4-1.5 for a 48-row forward, 2026-11-27). ``--trace``
+   process kept busy (2 vCPUs, 2026-11-27: ~1.6 for the 48-row forward, ~1.85 without its
+   attention). ``--trace``
    adds each forward's XLA ops by self time (``bench_common.host_op_times``).
 
 Shapes are the default model's attention (SmolLM2-135M: 9 query heads, 3 KV heads,
@@ -484,7 +485,6 @@ def other_sections(args, reps):
     print(f"{'tokens':>7}  {'weights, dot':<24}{'median ms':>10}{'min ms':>9}{'weight GB/s':>12}{'vs plain':>9}")
     for r in projection_rows((1, 48), 3 * reps):
         print(f"{r[0]:>7}  {r[1]:<24}{r[2]:>10.2f}{r[3]:>9.2f}{r[4]:>12.1f}{r[5]:>8.2f}x")
-
 
 
 def forward_section(args, reps):
