@@ -7,9 +7,10 @@ miss per 4 KB, and in a virtual machine each miss walks two page tables (guest a
 ``madvise`` mode, as most distributions ship it), the engine's single-stream decode went from
 29.0-30.6 to 27.6-28.9 ms a token with the weights in one huge-page region and the
 embedding and the pool in huge pages (alternating processes; the same tokens; in a slower
-sitting later 32.4-34.9 -> 29.6-30.3); the 48-request decode batch did not move. Every buffer of the process in huge pages
-(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, which jaxpaged cannot set for a running
-process: XLA's temporary buffers too) measured 26.7-27.8.
+sitting later 32.4-34.9 -> 29.6-30.3); the 48-request decode batch did not move. Every buffer
+of the process in huge pages (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, which jaxpaged
+cannot set for a running process: XLA's temporary buffers too) measured 26.7-27.8; with this
+module in place it adds nothing measurable (2026-11-27, the twenty-sixth session).
 
 Two ways in:
 
