@@ -84,12 +84,31 @@ STACKED_MAX_TOKENS = 2048
 # it off to measure one launch per projection.
 GROUPED_PROJECTIONS = True
 # Which kernel reads the stacked weights for steps of more than MOSAIC_MIN_TOKENS tokens:
-# "triton" (stacked_matmul) or "mosaic" (stacked_matmul_mgpu: Mosaic GPU, wgmma and TMA on
-# Hopper, where the shapes and dtype fit; Triton otherwise). Decode-sized steps keep the
-# Triton kernel's split-K, which reads the weights near the memory's rate. "triton" until
-# the Mosaic kernel is measured on a GPU (scripts/bench_gpu.py --stacked-kernel mosaic).
+# "triton" (stacked_matmul), "mosaic" (stacked_matmul_mgpu: Mosaic GPU, wgmma and TMA on
+# Hopper, where the shapes and dtype fit; Triton otherwise) or "auto" (Mosaic for the
+# launches where an H100 measured it faster: stacks at least MOSAIC_AUTO_MIN_WIDTH wide, such
+# as gate/up, and steps of at least MOSAIC_AUTO_MIN_TOKENS tokens). Decode-sized steps keep
+# the Triton kernel's split-K, which reads the weights near the memory's rate. On an H100
+# (27th session, Llama-3-8B's projections) Mosaic took 0.92-0.95x Triton's time on gate/up
+# at 256-2,048 tokens and on every stack at 2,048, 1.06-1.14x on q/k/v and down below 2,048;
+# the engine's one run each: 6,368 vs 6,306 output tok/s, within the noise. "triton" until
+# an engine A/B says otherwise.
 STACKED_KERNEL = "triton"
 MOSAIC_MIN_TOKENS = 64
+MOSAIC_AUTO_MIN_WIDTH = 16384
+MOSAIC_AUTO_MIN_TOKENS = 2048
+
+
+def stacked_kernel_for(tokens: int, widths: tuple[int, ...]) -> str:
+    """The kernel ``STACKED_KERNEL`` picks for a step of ``tokens`` tokens through one launch
+    of stacks ``widths`` wide (before asking whether Mosaic supports the shapes)."""
+    if STACKED_KERNEL not in ("triton", "mosaic", "auto"):
+        raise ValueError(f"STACKED_KERNEL={STACKED_KERNEL!r}: 'triton', 'mosaic' or 'auto'")
+    if STACKED_KERNEL == "triton" or tokens <= MOSAIC_MIN_TOKENS:
+        return "triton"
+    if STACKED_KERNEL == "auto" and sum(widths) < MOSAIC_AUTO_MIN_WIDTH and tokens < MOSAIC_AUTO_MIN_TOKENS:
+        return "triton"
+    return "mosaic"
 
 
 def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
@@ -106,9 +125,8 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
     the shapes; other platforms, and shapes it cannot tile, take the slices the scan made.
     """
 
-    if STACKED_KERNEL not in ("triton", "mosaic"):
-        raise ValueError(f"STACKED_KERNEL={STACKED_KERNEL!r}: 'triton' or 'mosaic'")
-    if STACKED_KERNEL == "mosaic":  # imported only when asked for (jax's Mosaic GPU modules: ~0.1 s)
+    stacked_kernel_for(MOSAIC_MIN_TOKENS + 1, ())  # the setting checked once per trace
+    if STACKED_KERNEL != "triton":  # imported only when asked for (jax's Mosaic GPU modules: ~0.1 s)
         from jaxpaged.pallas import stacked_matmul_mgpu
 
     def dense(x, w):
@@ -135,7 +153,7 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
             ws.append(w.reshape(w.shape[0], K, math.prod(out)))
 
         widths = tuple(math.prod(o) for o in outs)
-        mosaic = (STACKED_KERNEL == "mosaic" and x.shape[0] > MOSAIC_MIN_TOKENS
+        mosaic = (stacked_kernel_for(x.shape[0], widths) == "mosaic"
                   and stacked_matmul_mgpu.supports(K, widths, x.dtype))
 
         def kernel(x, ws, layer):

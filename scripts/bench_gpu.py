@@ -33,7 +33,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    without each, ``--stacked-max-tokens`` with another bound on the stacked matmul,
    ``--mixed``, ``--block-q-rule``, ``--query-layout`` and ``--block-order`` with the
    mixed-step switches,
-   ``--stacked-kernel mosaic`` with the Mosaic GPU matmul past decode-sized steps, and
+   ``--stacked-kernel mosaic`` with the Mosaic GPU matmul past decode-sized steps (``auto``:
+   where it measured faster, ``model.stacked_kernel_for``), and
    ``--ab-baseline`` (after ``--use-fastest-tiles``) again with the default tiles.
 8. ``--only decode-profile``: decode steps of 4, 8, 32 and 256 sequences of the same model,
    each timed and traced: the step's period, the device's busy time, its floor (weights +
@@ -946,7 +947,7 @@ def main():
                          "(ragged_paged_attention.QUERY_LAYOUT)")
     ap.add_argument("--block-order", choices=("sequence", "longest_first"),
                     help="the ragged kernel's query blocks in this launch order (ragged_paged_attention.BLOCK_ORDER)")
-    ap.add_argument("--stacked-kernel", choices=("triton", "mosaic"),
+    ap.add_argument("--stacked-kernel", choices=("triton", "mosaic", "auto"),
                     help="steps past decode size read the stacked weights with this kernel (model.STACKED_KERNEL)")
     ap.add_argument("--decode-small-grid", type=int,
                     help="decode attention splits short tables below this many programs "

@@ -350,9 +350,28 @@ def test_model_steps_past_decode_size_take_the_mosaic_kernel_when_asked(monkeypa
     monkeypatch.setattr(model_mod, "STACKED_KERNEL", "mosaic")
     assert len(re.findall(r"custom_call @mosaic_gpu", lowered(128))) == 4  # q/k/v, o, gate/up, down
     assert len(re.findall(r"custom_call @mosaic_gpu", lowered(16))) == 0
+    monkeypatch.setattr(model_mod, "STACKED_KERNEL", "auto")  # widths of at most 1,024: Triton below 2,048 tokens
+    assert len(re.findall(r"custom_call @mosaic_gpu", lowered(160))) == 0
     monkeypatch.setattr(model_mod, "STACKED_KERNEL", "cutlass")
     with pytest.raises(ValueError, match="STACKED_KERNEL='cutlass'"):
         lowered(144)  # a shape not traced yet: the setting is read when a step is traced
+
+
+def test_auto_stacked_kernel_takes_mosaic_for_wide_stacks_and_long_steps(monkeypatch):
+    """``STACKED_KERNEL = "auto"``: Mosaic for gate/up-wide launches and 2,048-token steps
+    (where an H100 measured it faster), Triton for the rest and for decode-sized steps."""
+    from jaxpaged import model as model_mod
+
+    monkeypatch.setattr(model_mod, "STACKED_KERNEL", "auto")
+    pick = model_mod.stacked_kernel_for
+    qkv, o, gate_up = (4096, 1024, 1024), (4096,), (14336, 14336)
+    assert [pick(T, qkv) for T in (16, 256, 1024, 2048)] == ["triton", "triton", "triton", "mosaic"]
+    assert [pick(T, o) for T in (256, 1024, 2048)] == ["triton", "triton", "mosaic"]
+    assert [pick(T, gate_up) for T in (64, 128, 256, 1024)] == ["triton", "mosaic", "mosaic", "mosaic"]
+    monkeypatch.setattr(model_mod, "STACKED_KERNEL", "mosaic")
+    assert pick(256, qkv) == "mosaic" and pick(64, gate_up) == "triton"
+    monkeypatch.setattr(model_mod, "STACKED_KERNEL", "triton")
+    assert pick(2048, gate_up) == "triton"
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Mosaic GPU kernel needs a Hopper GPU")
