@@ -315,7 +315,7 @@ def mixed_table(quick: bool) -> list[dict]:
     ways += [("ragged", "mean", "direct", "longest_first"), ("split", "mean", "direct", "longest_first")]
     print("\n## Mixed steps, one layer, Llama-3-8B attention shapes (bf16, blocks of 16): us per call; "
           "'decode + prompts alone' = the decode kernel over the decode rows plus the ragged kernel over the "
-          "prompt rows, as two steps would run them")
+          "prompt rows, as two steps would run them, then each of the two alone")
     print(f"{'decode rows':>12}{'prompts':>8}{'tokens (padded)':>16}  {'way (mixed, rule, layout, order)':<36}"
           f"{'block_q':>8}{'us':>9}{'max err':>10}")
     rows, scale, reps = [], LLAMA8B[3] ** -0.5, 2 if quick else 20
@@ -356,10 +356,24 @@ def mixed_table(quick: bool) -> list[dict]:
             rag = ragged_paged_attention(pq, pk, pv, layer, pbt, plens, pqsl, scale=scale, block_q=gpu_ragged.BLOCK_Q)
             return dec.astype(jnp.float32).sum() + rag.astype(jnp.float32).sum()
 
-        t = timed(two_steps, dq, dk, dv, dbt, dlens, pq, pk, pv, pbt, plens, pqsl)
-        rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
-                     "way": "decode + prompts alone", "us": t * 1e6})
-        print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {'decode + prompts alone':<36}{'':>8}{t * 1e6:>9.1f}", flush=True)
+        def decode_alone(layer, dq, dk, dv, dbt, dlens):
+            return paged_decode_attention(dq, dk, dv, layer, dbt, dlens, scale=scale)
+
+        def prompts_alone(layer, pq, pk, pv, pbt, plens, pqsl):
+            return ragged_paged_attention(pq, pk, pv, layer, pbt, plens, pqsl, scale=scale, block_q=gpu_ragged.BLOCK_Q)
+
+        # Which part the time is in: the decode rows' keys are most of the bytes, the prompts'
+        # causal products most of the FLOPs.
+        dec_bytes = 2 * int(np.asarray(dlens).sum()) * LLAMA8B[2] * LLAMA8B[3] * 2
+        for label, fn, args in (("decode + prompts alone", two_steps, (dq, dk, dv, dbt, dlens, pq, pk, pv, pbt, plens,
+                                                                        pqsl)),
+                                ("decode rows alone", decode_alone, (dq, dk, dv, dbt, dlens)),
+                                ("prompts alone", prompts_alone, (pq, pk, pv, pbt, plens, pqsl))):
+            t = timed(fn, *args)
+            note = f"  ({dec_bytes / t / 1e12:.2f} TB/s of keys and values)" if fn is decode_alone else ""
+            rows.append({"decode_rows": n_dec, "prompts": n_prompt, "prompt_len": plen, "tokens": T,
+                         "way": label, "us": t * 1e6})
+            print(f"{n_dec:>12}{n_prompt:>8}{T:>16}  {label:<36}{'':>8}{t * 1e6:>9.1f}{note}", flush=True)
     return rows
 
 
