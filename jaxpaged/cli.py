@@ -46,6 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    default="auto", help="auto: pallas_tpu on TPU, pallas_gpu on GPU, xla on CPU")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model and KV cache over this many devices")
+    e.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run this many engine replicas, one per device, and spread the requests over them")
     e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule each step only after the previous one finished (default: while it runs)")
@@ -61,7 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
                 attention_backend=args.attention_backend, seed=args.engine_seed,
                 tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:

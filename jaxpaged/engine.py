@@ -21,6 +21,7 @@ from typing import Any
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.compilation_cache import ensure_compilation_cache
 from jaxpaged.contiguous import ContiguousBlockManager
+from jaxpaged.data_parallel import DataParallelRunner, DataParallelScheduler
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
 from jaxpaged.input_processor import InputProcessor, PromptType, pair_prompts
@@ -30,6 +31,7 @@ from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner import ModelRunner
+from jaxpaged.sharding import data_parallel_devices, model_on_device
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
@@ -66,6 +68,12 @@ class LLM:
       tensor_parallel_size: shard the model and the KV pool over this many devices (a
         ``"tp"`` mesh; the KV heads must divide evenly). See :mod:`jaxpaged.sharding`,
         also for several hosts. A loaded model is resharded to this size.
+      data_parallel_size: run this many replicas of the engine, one per device (the model
+        copied to each, each with its own KV pool and scheduler), and spread the requests
+        over them (:mod:`jaxpaged.data_parallel`). The limits and the pool size are per
+        replica. On CPU, devices must be made before jax starts:
+        ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, and replicas pay only where
+        attention dominates (long contexts): each runs its matmuls on its own core.
       async_scheduling: schedule and launch each step while the device runs the previous
         one (vLLM's ``async_scheduling``): the host's work hides behind the device's, and
         the tokens are the synchronous loop's (:mod:`jaxpaged.engine_core`). False runs
@@ -82,12 +90,13 @@ class LLM:
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", data_parallel_size: int = 1):
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling,
-                          kv_cache_dtype)
+                          kv_cache_dtype, data_parallel_size)
+        replica_devices = data_parallel_devices(data_parallel_size, tensor_parallel_size)
         if isinstance(model, LoadedModel):
             # Sharded, then in the form it runs in (shared by engines over the same model).
             lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
@@ -108,21 +117,32 @@ class LLM:
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, lm.model.dtype, lm.model.platform)
         block_bytes = kv_pool_bytes(cfg.num_layers, 1, cfg.num_kv_heads, block_size, cfg.head_dim, self.kv_cache_dtype)
         num_blocks = args.kv_blocks(block_bytes, self.max_model_len)
-        if kv_allocator == "contiguous":
-            self.bm = ContiguousBlockManager(num_blocks, block_size, max_model_len=self.max_model_len)
-        else:
-            self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                   max_model_len=self.max_model_len, swap_space=args.swap_bytes,
-                                   block_bytes=block_bytes, model_id=str(lm.source))
         self.eos_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else ())
-        self.scheduler = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, eos_ids=self.eos_ids,
-                                   preemption_mode=preemption_mode)
-        self.runner = ModelRunner(lm.model, num_blocks=num_blocks, block_size=block_size,
+
+        def replica(model):
+            if kv_allocator == "contiguous":
+                bm = ContiguousBlockManager(num_blocks, block_size, max_model_len=self.max_model_len)
+            else:
+                bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+                                  max_model_len=self.max_model_len, swap_space=args.swap_bytes,
+                                  block_bytes=block_bytes, model_id=str(lm.source))
+            scheduler = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, eos_ids=self.eos_ids,
-                                  num_host_blocks=self.bm.num_host_blocks, dtype=self.kv_cache_dtype)
+                                  preemption_mode=preemption_mode)
+            runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
+                                 max_model_len=self.max_model_len, eos_ids=self.eos_ids,
+                                 num_host_blocks=bm.num_host_blocks, dtype=self.kv_cache_dtype)
+            return bm, scheduler, runner
+
+        if replica_devices is None:
+            self.bm, self.scheduler, self.runner = replica(lm.model)
+        else:  # one replica per device; the composites stand in for one (jaxpaged.data_parallel)
+            bms, schedulers, runners = zip(*(replica(model_on_device(lm.model, d)) for d in replica_devices))
+            self.scheduler, self.runner = DataParallelScheduler(schedulers), DataParallelRunner(runners)
+            self.bm = self.scheduler.kv
+        self.data_parallel_size = data_parallel_size
         self.core = EngineCore(self.scheduler, self.runner, debug_checks=debug_checks,
                                async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,

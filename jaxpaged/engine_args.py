@@ -61,6 +61,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     async_scheduling: bool = True
     kv_cache_dtype: str = "auto"
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         if self.block_size is not None:
@@ -68,6 +69,7 @@ class EngineArgs:
             if self.block_size & (self.block_size - 1) or self.block_size > 256:
                 raise ValueError(f"block_size={self.block_size} must be a power of two in [1, 256]")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
         for name, minimum in (("num_blocks", 2), ("max_model_len", 1), ("max_num_batched_tokens", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum)

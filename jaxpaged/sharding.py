@@ -69,9 +69,12 @@ network, so in practice keep the ``"tp"`` axis within a node.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
@@ -79,6 +82,9 @@ from jaxtyping import Array, Float, Int
 from jaxpaged.attention import AttentionMetadata, paged_attention
 from jaxpaged.config import LlamaConfig
 from jaxpaged.kv_cache import KVPool, write_kv
+
+if TYPE_CHECKING:
+    from jaxpaged.model import Llama
 
 TP = "tp"
 HEADS = P(None, TP, None)  # [T, heads, H] activations: sharded by head
@@ -100,18 +106,42 @@ def valid_tp_sizes(cfg: LlamaConfig) -> list[int]:
             if cfg.num_kv_heads % n == 0 and cfg.intermediate_size % n == 0]
 
 
-def check_tp_size(n: int) -> None:
-    """Raise unless ``n`` is an int >= 1 and at most the number of devices."""
+def _check_device_count(name: str, n: int) -> None:
+    """Raise unless ``n`` (the setting ``name``) is an int >= 1 and at most the number of devices."""
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"tensor_parallel_size must be an int, got {n!r}")
+        raise TypeError(f"{name} must be an int, got {n!r}")
     if n < 1:
-        raise ValueError(f"tensor_parallel_size={n} must be >= 1")
+        raise ValueError(f"{name}={n} must be >= 1")
     have = jax.device_count()
     if n > have:
         hint = (f"; on CPU, simulate more devices with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
                 f"set before jax is imported" if jax.default_backend() == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={n} needs {n} devices, but only {have} "
+        raise ValueError(f"{name}={n} needs {n} devices, but only {have} "
                          f"{jax.default_backend()} device(s) exist{hint}")
+
+
+def check_tp_size(n: int) -> None:
+    """Raise unless ``n`` is an int >= 1 and at most the number of devices."""
+    _check_device_count("tensor_parallel_size", n)
+
+
+def data_parallel_devices(dp: int, tp: int = 1) -> list | None:
+    """Each replica's device for ``data_parallel_size=dp`` (:mod:`jaxpaged.data_parallel`):
+    the first ``dp`` devices; None for one replica. Raises before any work when they do not
+    exist, and for replicas of several devices (with tensor parallelism), not supported yet."""
+    _check_device_count("data_parallel_size", dp)
+    if dp == 1:
+        return None
+    if tp > 1:
+        raise ValueError(f"data_parallel_size={dp} with tensor_parallel_size={tp}: replicas of several devices "
+                         "are not supported yet; use one of the two")
+    return jax.devices()[:dp]
+
+
+def model_on_device(model: Llama, device) -> Llama:
+    """The model with its parameters on ``device`` (the same arrays where they are there already)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, device))
 
 
 def make_mesh(n: int, cfg: LlamaConfig) -> Mesh | None:

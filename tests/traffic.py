@@ -17,6 +17,7 @@ import logging
 import numpy as np
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.data_parallel import DataParallelRunner
 
 from oracle_runner import OracleRunner
 
@@ -126,26 +127,33 @@ def make_round(seed: int, *, num_requests: int, vocab_size: int, any_geometry: b
     return Round(seed, engine, arrivals, abort_rate=float(rng.choice([0.0, 0.02, 0.08])))
 
 
+def replicas(llm: LLM) -> list:
+    """The engine's schedulers: one, or each data-parallel replica's."""
+    return getattr(llm.scheduler, "parts", [llm.scheduler])
+
+
 def check_scheduler(llm: LLM) -> None:
-    """Invariants of the scheduler's queues after a step (the block manager checks its own)."""
-    sched = llm.scheduler
-    live = sum(len(r.live_seqs()) for r in sched.running)
-    assert live <= sched.max_num_seqs, f"{live} sequences running; max_num_seqs={sched.max_num_seqs}"
-    # Preempted and waiting requests are all newer than every running one (FCFS): so a request
-    # is only ever preempted for an older one, and the oldest is never preempted.
-    if sched.running and (sched.waiting or sched.swapped):
-        newest_running = max(r.arrival_index for r in sched.running)
-        oldest_queued = min(r.arrival_index for q in (sched.waiting, sched.swapped) for r in q)
-        assert newest_running < oldest_queued, "a request runs while an older one waits"
+    """Invariants of the scheduler's queues after a step (the block manager checks its own),
+    replica by replica under data parallelism."""
+    for sched in replicas(llm):
+        live = sum(len(r.live_seqs()) for r in sched.running)
+        assert live <= sched.max_num_seqs, f"{live} sequences running; max_num_seqs={sched.max_num_seqs}"
+        # Preempted and waiting requests are all newer than every running one (FCFS): so a request
+        # is only ever preempted for an older one, and the oldest is never preempted.
+        if sched.running and (sched.waiting or sched.swapped):
+            newest_running = max(r.arrival_index for r in sched.running)
+            oldest_queued = min(r.arrival_index for q in (sched.waiting, sched.swapped) for r in q)
+            assert newest_running < oldest_queued, "a request runs while an older one waits"
 
 
 def engine(model, *, oracle: bool, **options) -> LLM:
     """An engine over ``model``; with ``oracle``, its steps run ``OracleRunner`` instead of the model."""
     llm = LLM(model, **options)
     if oracle:
-        llm.core.runner = OracleRunner(num_blocks=llm.bm.num_usable_blocks + 1, block_size=llm.block_size,
-                                       num_host_blocks=llm.bm.num_host_blocks, max_model_len=llm.max_model_len,
-                                       vocab_size=llm.config.vocab_size, eos_ids=llm.eos_ids)
+        runners = [OracleRunner(num_blocks=s.kv.num_usable_blocks + 1, block_size=llm.block_size,
+                                num_host_blocks=s.kv.num_host_blocks, max_model_len=llm.max_model_len,
+                                vocab_size=llm.config.vocab_size, eos_ids=llm.eos_ids) for s in replicas(llm)]
+        llm.core.runner = runners[0] if len(runners) == 1 else DataParallelRunner(runners)
     return llm
 
 
@@ -199,6 +207,7 @@ def _run(llm: LLM, rnd: Round, rng: np.random.Generator, res: Result, pending: l
                     cut_ids.discard(o.request_id)
                     res.cut.add(id(o))
         check_scheduler(llm)
-        res.max_live_seqs = max(res.max_live_seqs, sum(len(r.live_seqs()) for r in llm.scheduler.running))
+        res.max_live_seqs = max(res.max_live_seqs, *(sum(len(r.live_seqs()) for r in s.running)
+                                                     for s in replicas(llm)))
         res.num_steps += 1
         assert res.num_steps < max_steps, f"round {rnd.seed}: unfinished after {max_steps} steps (livelock)"

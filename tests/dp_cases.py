@@ -1,0 +1,132 @@
+"""Data parallelism on 2 simulated CPU devices: each request gets the outputs one replica gives
+it, under random traffic and memory pressure too, and nothing leaks in either replica.
+
+Needs 2 devices before jax starts, so ``tests/test_data_parallel.py`` runs this module in its
+own process:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m pytest tests/dp_cases.py
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+import traffic
+from test_engine_traffic import alone_engine, assert_same_as_alone, preemption_bound
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.loader import load_model
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 2,
+                                reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=2")
+
+ENGINE = dict(block_size=4, num_blocks=32, max_num_seqs=3, max_num_batched_tokens=32, debug_checks=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny engine model (the real tokenizer): built by the parent test (torch stays there)."""
+    return load_model(os.environ["JAXPAGED_DP_TINY"], attention_backend="xla")
+
+
+def _requests(vocab_size: int):
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, vocab_size, int(n)).tolist()} for n in rng.integers(3, 60, 10)]
+    prompts += ["the paged cache of blocks", "a river and a stone"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True),
+              SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop=["the", "a"], repetition_penalty=1.3)]
+    return prompts, [params[i % len(params)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_two_replicas_give_each_request_what_one_gives_it(model, async_scheduling):
+    """Greedy (with logprobs), seeded top-p, n = 2, beam search and stop strings with a
+    penalty, over a pool small enough to preempt: the same completions as one replica, both
+    replicas used, their pools on their own devices, and every block free at the end."""
+    prompts, params = _requests(model.config.vocab_size)
+    one = LLM(model, async_scheduling=async_scheduling, **ENGINE).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, data_parallel_size=2, async_scheduling=async_scheduling, **ENGINE)
+    two = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(one, two):
+        assert len(a.outputs) == len(b.outputs)
+        for x, y in zip(a.outputs, b.outputs):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
+                y.token_ids, y.text, y.finish_reason, y.stop_reason), (a.prompt, x, y)
+            if x.logprobs:
+                np.testing.assert_allclose([d[t].logprob for d, t in zip(x.logprobs, x.token_ids)],
+                                           [d[t].logprob for d, t in zip(y.logprobs, y.token_ids)], atol=1e-5)
+    devices = [next(iter(r.kv.k.devices())) for r in llm.runner.parts]
+    assert devices == jax.devices()[:2]
+    assert all(r.compiled_shapes for r in llm.runner.parts)  # both replicas ran steps
+    stats = llm.stats()
+    assert stats["num_used_blocks"] == 0 and stats["num_blocks"] == 2 * (ENGINE["num_blocks"] - 1)
+    assert stats["num_preemptions"] > 0  # the pools were small enough to matter
+    llm.bm.check_invariants()
+
+
+def test_requests_go_to_the_least_loaded_replica_and_an_abort_frees_its_own(model):
+    llm = LLM(model, data_parallel_size=2, **ENGINE)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [llm.add_request({"prompt_token_ids": [5 + i] * (10 + i)}, sp) for i in range(5)]
+    homes = [llm.scheduler.replica_of(r) for r in ids]
+    assert homes == [0, 1, 0, 1, 0]
+    for _ in range(3):
+        llm.step()
+    used = [p.kv.stats().num_used_blocks for p in llm.scheduler.parts]
+    assert all(used)
+    llm.abort(ids[1])  # replica 1 held requests 1 and 3
+    after = [p.kv.stats().num_used_blocks for p in llm.scheduler.parts]
+    assert after[0] == used[0] and after[1] < used[1]
+    assert llm.scheduler.replica_of(ids[1]) is None
+    nxt = llm.add_request({"prompt_token_ids": [9] * 12}, sp)  # replica 1 has one request left, replica 0 three
+    assert llm.scheduler.replica_of(nxt) == 1
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.stats()["num_used_blocks"] == 0
+
+
+def test_random_traffic_with_the_paging_oracle_on_two_replicas(model):
+    """The traffic of ``test_engine_traffic`` (any pool, swap or recompute, prefix caching, the
+    contiguous baseline, async or not, aborts), each replica's steps run by its own paging
+    oracle: every request finishes or is aborted or rejected, with its tokens alone, each
+    replica keeps its limits, FCFS and preemption bound, and no block is left in use."""
+    alone = alone_engine(model, oracle=True)
+    totals = dict(requests=0, compared=0, aborted=0, preemptions=0, swapped_blocks=0, rejected=0)
+    for seed in range(24):
+        rnd = traffic.make_round(seed, num_requests=30, vocab_size=model.config.vocab_size, any_geometry=True)
+        rnd.engine["data_parallel_size"] = 2
+        res = traffic.run_round(model, rnd, oracle=True)
+        assert res.max_live_seqs <= rnd.engine["max_num_seqs"]
+        totals["compared"] += assert_same_as_alone(res, alone)
+        if not res.aborted:
+            preemption_bound(res, rnd.engine["block_size"])  # a replica's requests are a subset: the bound holds
+        totals["requests"] += len(rnd.arrivals)
+        totals["aborted"] += len(res.aborted)
+        totals["rejected"] += len(res.rejected)
+        totals["preemptions"] += res.num_preemptions
+        totals["swapped_blocks"] += res.num_swapped_out_blocks
+    print(totals)
+    assert totals["compared"] >= 500 and all(totals[k] > 0 for k in ("aborted", "rejected", "preemptions",
+                                                                      "swapped_blocks"))
+
+
+def test_errors_name_the_setting(model):
+    with pytest.raises(ValueError, match="data_parallel_size=3 needs 3 devices, but only 2"):
+        LLM(model, data_parallel_size=3, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: replicas of several devices are not supported"):
+        LLM(model, data_parallel_size=2, tensor_parallel_size=2, **ENGINE)
+
+
+def test_cli_flag(capsys):
+    from jaxpaged.cli import main as cli_main
+
+    folder = os.environ["JAXPAGED_DP_TINY"]
+    assert cli_main(["the river", "a stone", "--model", folder, "-dp", "2", "--max-tokens", "5", "--temperature", "0",
+                     "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert cli_main(["hi", "--model", folder, "--data-parallel-size", "4", "--no-progress"]) == 1
+    assert "data_parallel_size=4 needs 4 devices" in capsys.readouterr().err

@@ -1,0 +1,38 @@
+"""Data parallelism (:mod:`jaxpaged.data_parallel`).
+
+The replicas need devices that exist before jax starts, so their cases run in a child
+process with 2 simulated CPU devices (``tests/dp_cases.py``); this process has one device
+and checks the errors.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_tp import child_env
+
+from jaxpaged import LLM
+from jaxpaged.engine_args import EngineArgs
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_cases_on_two_cpu_devices(tiny_engine_folder):
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXPAGED_DP_TINY=str(tiny_engine_folder))
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(TESTS / "dp_cases.py"), "-q", "-p", "no:cacheprovider"],
+                          env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, \
+        proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_more_replicas_than_devices_is_refused_before_loading(tiny_engine_model):
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 needs 2 devices, but only 1 cpu device\(s\) exist; "
+                                         r"on CPU, simulate more devices with XLA_FLAGS=--xla_force_host_platform_device_count=2"):
+        LLM(tiny_engine_model, data_parallel_size=2)
+
+
+@pytest.mark.parametrize("bad, err", [(0, ValueError), (True, TypeError), (1.5, TypeError)])
+def test_bad_data_parallel_size(bad, err):
+    with pytest.raises(err, match="data_parallel_size"):
+        EngineArgs(data_parallel_size=bad)
