@@ -31,10 +31,10 @@ from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner import ModelRunner
-from jaxpaged.sharding import data_parallel_devices, model_on_device
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
+from jaxpaged.sharding import data_parallel_devices, model_on_device
 
 
 class LLM:
@@ -139,7 +139,7 @@ class LLM:
         if replica_devices is None:
             self.bm, self.scheduler, self.runner = replica(lm.model)
         else:  # one replica per device; the composites stand in for one (jaxpaged.data_parallel)
-            bms, schedulers, runners = zip(*(replica(model_on_device(lm.model, d)) for d in replica_devices))
+            _, schedulers, runners = zip(*(replica(model_on_device(lm.model, d)) for d in replica_devices))
             self.scheduler, self.runner = DataParallelScheduler(schedulers), DataParallelRunner(runners)
             self.bm = self.scheduler.kv
         self.data_parallel_size = data_parallel_size
