@@ -115,6 +115,9 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=None, help="default: the engine's (64 on CPU, 16 on GPU/TPU)")
     p.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB (default: the engine's)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, one per device (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N); "
+                        "the roofline still counts one reading of the weights per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", choices=list(WEIGHTS), default="float32",
@@ -600,7 +603,8 @@ def main(argv=None) -> dict:
         kw = {"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}
         return LLM(lm, block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                   enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, **kw)
+                   enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                   data_parallel_size=args.data_parallel_size, **kw)
 
     llm = engine()
     form = llm.loaded.model
@@ -608,7 +612,7 @@ def main(argv=None) -> dict:
     print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {llm.block_size}, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}{layout}",
           flush=True)
-    cost = ModelCost.from_loaded(lm, kv_dtype=llm.runner.kv.k.dtype)  # a 16-bit model's pool is float32 on CPU
+    cost = ModelCost.from_loaded(lm, kv_dtype=llm.kv_cache_dtype)  # a 16-bit model's pool is float32 on CPU
     report: dict = {"machine": machine_info(), "args": vars(args), "workload": ws, "model": vars(cost)}
 
     def params_for(i: int) -> SamplingParams:  # seeded per request: a rerun draws the same tokens
