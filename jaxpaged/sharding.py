@@ -106,13 +106,12 @@ def valid_tp_sizes(cfg: LlamaConfig) -> list[int]:
             if cfg.num_kv_heads % n == 0 and cfg.intermediate_size % n == 0]
 
 
-def _check_device_count(name: str, n: int) -> None:
-    """Raise unless ``n`` (the setting ``name``) is an int >= 1 and at most the number of devices."""
+def _check_device_count(name: str, n: int, have: int) -> None:
+    """Raise unless ``n`` (the setting ``name``) is an int >= 1 and at most ``have`` devices."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"{name} must be an int, got {n!r}")
     if n < 1:
         raise ValueError(f"{name}={n} must be >= 1")
-    have = jax.device_count()
     if n > have:
         hint = (f"; on CPU, simulate more devices with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
                 f"set before jax is imported" if jax.default_backend() == "cpu" else "")
@@ -122,20 +121,21 @@ def _check_device_count(name: str, n: int) -> None:
 
 def check_tp_size(n: int) -> None:
     """Raise unless ``n`` is an int >= 1 and at most the number of devices."""
-    _check_device_count("tensor_parallel_size", n)
+    _check_device_count("tensor_parallel_size", n, jax.device_count())
 
 
 def data_parallel_devices(dp: int, tp: int = 1) -> list | None:
     """Each replica's device for ``data_parallel_size=dp`` (:mod:`jaxpaged.data_parallel`):
-    the first ``dp`` devices; None for one replica. Raises before any work when they do not
-    exist, and for replicas of several devices (with tensor parallelism), not supported yet."""
-    _check_device_count("data_parallel_size", dp)
+    the first ``dp`` of this process's devices; None for one replica. Raises before any work
+    when they do not exist, and for replicas of several devices (with tensor parallelism),
+    not supported yet."""
+    _check_device_count("data_parallel_size", dp, jax.local_device_count())
     if dp == 1:
         return None
     if tp > 1:
         raise ValueError(f"data_parallel_size={dp} with tensor_parallel_size={tp}: replicas of several devices "
                          "are not supported yet; use one of the two")
-    return jax.devices()[:dp]
+    return jax.local_devices()[:dp]
 
 
 def model_on_device(model: Llama, device) -> Llama:
