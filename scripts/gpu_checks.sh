@@ -13,9 +13,10 @@
 # profile  : bench_gpu --only decode-profile (decode steps of 4-256 sequences, traced)
 # engine-ab: --only llama8b --lean, the defaults then each opt-in switch in $AB (default:
 #            "--stacked-kernel auto" and "--block-order longest_first"), then the
-#            defaults again, all on this machine. One run takes ~130-190 s on an H100
-#            (a full warm-up pass, then the timed run): keep BENCH_S at its 300 s, and
-#            plan three runs per 600 s call
+#            defaults again, all on this machine; AB_ROUNDS=2 alternates twice, and
+#            AB_REQUESTS=500 halves each run. One run of 1,000 requests takes ~130-190 s
+#            on an H100 (a full warm-up pass, then the timed run): keep BENCH_S at its
+#            300 s, and plan three such runs per 600 s call (five of 500 requests)
 #
 # Logs go to $OUT (the device tool's folder) or bench_out/. The repository is on
 # PYTHONPATH (the device machine has jax and flax preinstalled and reaches no registry).
@@ -49,14 +50,17 @@ for stage in "$@"; do
         profile) bench profile --only decode-profile ;;
         engine-ab)
             IFS=';' read -r -a switches <<< "${AB:---stacked-kernel auto;--block-order longest_first}"
-            bench engine_default --only llama8b --lean
-            i=0
-            for sw in "${switches[@]}"; do
-                i=$((i + 1))
-                # shellcheck disable=SC2086  # the switch is words
-                bench "engine_ab$i" --only llama8b --lean $sw
+            n=(--only llama8b --lean --num-requests "${AB_REQUESTS:-1000}")
+            for r in $(seq "${AB_ROUNDS:-1}"); do
+                bench "engine_default_r$r" "${n[@]}"
+                i=0
+                for sw in "${switches[@]}"; do
+                    i=$((i + 1))
+                    # shellcheck disable=SC2086  # the switch is words
+                    bench "engine_ab${i}_r$r" "${n[@]}" $sw
+                done
             done
-            bench engine_default_again --only llama8b --lean
+            bench engine_default_last "${n[@]}"
             grep -h -E "^# bench_gpu|^jaxpaged \(this run\)" "$out"/engine_*.txt ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
