@@ -29,6 +29,16 @@ from jaxpaged.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from jaxpaged.sequence import Request
 
 
+def _summed(name: str) -> property:
+    """The sum over ``self.parts`` of their ``name``."""
+    return property(lambda self: sum(getattr(p, name) for p in self.parts))
+
+
+def _joined(name: str) -> property:
+    """Every part's ``name`` (a queue of requests), in part order."""
+    return property(lambda self: [r for p in self.parts for r in getattr(p, name)])
+
+
 @dataclasses.dataclass
 class DataParallelOutput(SchedulerOutput):
     """Every replica's decision for one step; the inherited fields concatenate them (what
@@ -58,13 +68,8 @@ class DataParallelKV:
         self.parts = list(parts)
         self.block_size = self.parts[0].block_size
 
-    @property
-    def num_usable_blocks(self) -> int:
-        return sum(p.num_usable_blocks for p in self.parts)
-
-    @property
-    def num_host_blocks(self) -> int:
-        return sum(p.num_host_blocks for p in self.parts)
+    num_usable_blocks = _summed("num_usable_blocks")
+    num_host_blocks = _summed("num_host_blocks")
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -116,29 +121,10 @@ class DataParallelScheduler:
     def has_unfinished(self) -> bool:
         return any(p.has_unfinished() for p in self.parts)
 
-    @property
-    def waiting(self) -> list[Request]:
-        return [r for p in self.parts for r in p.waiting]
-
-    @property
-    def running(self) -> list[Request]:
-        return [r for p in self.parts for r in p.running]
-
-    @property
-    def swapped(self) -> list[Request]:
-        return [r for p in self.parts for r in p.swapped]
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(p.num_preemptions for p in self.parts)
-
-    @property
-    def num_swapped_out_blocks(self) -> int:
-        return sum(p.num_swapped_out_blocks for p in self.parts)
-
-    @property
-    def num_dropped_tokens(self) -> int:
-        return sum(p.num_dropped_tokens for p in self.parts)
+    waiting, running, swapped = _joined("waiting"), _joined("running"), _joined("swapped")
+    num_preemptions = _summed("num_preemptions")
+    num_swapped_out_blocks = _summed("num_swapped_out_blocks")
+    num_dropped_tokens = _summed("num_dropped_tokens")
 
     # ---- steps ----------------------------------------------------------------------
 
@@ -174,10 +160,5 @@ class DataParallelRunner:
     def compiled_shapes(self) -> set[tuple]:
         return set().union(*(r.compiled_shapes for r in self.parts))
 
-    @property
-    def time_batch(self) -> float:
-        return sum(r.time_batch for r in self.parts)
-
-    @property
-    def time_device(self) -> float:
-        return sum(r.time_device for r in self.parts)
+    time_batch = _summed("time_batch")
+    time_device = _summed("time_device")

@@ -99,11 +99,15 @@ MOSAIC_AUTO_MIN_WIDTH = 16384
 MOSAIC_AUTO_MIN_TOKENS = 2048
 
 
+def _check_stacked_kernel() -> None:
+    if STACKED_KERNEL not in ("triton", "mosaic", "auto"):
+        raise ValueError(f"STACKED_KERNEL={STACKED_KERNEL!r}: 'triton', 'mosaic' or 'auto'")
+
+
 def stacked_kernel_for(tokens: int, widths: tuple[int, ...]) -> str:
     """The kernel ``STACKED_KERNEL`` picks for a step of ``tokens`` tokens through one launch
     of stacks ``widths`` wide (before asking whether Mosaic supports the shapes)."""
-    if STACKED_KERNEL not in ("triton", "mosaic", "auto"):
-        raise ValueError(f"STACKED_KERNEL={STACKED_KERNEL!r}: 'triton', 'mosaic' or 'auto'")
+    _check_stacked_kernel()
     if STACKED_KERNEL == "triton" or tokens <= MOSAIC_MIN_TOKENS:
         return "triton"
     if STACKED_KERNEL == "auto" and sum(widths) < MOSAIC_AUTO_MIN_WIDTH and tokens < MOSAIC_AUTO_MIN_TOKENS:
@@ -125,7 +129,7 @@ def _layer_matmuls(layers: nnx.Module, precision, *, stacked: bool):
     the shapes; other platforms, and shapes it cannot tile, take the slices the scan made.
     """
 
-    stacked_kernel_for(MOSAIC_MIN_TOKENS + 1, ())  # the setting checked once per trace
+    _check_stacked_kernel()  # read when a step is traced
     if STACKED_KERNEL != "triton":  # imported only when asked for (jax's Mosaic GPU modules: ~0.1 s)
         from jaxpaged.pallas import stacked_matmul_mgpu
 
