@@ -22,6 +22,7 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.compilation_cache import ensure_compilation_cache
 from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.data_parallel import DataParallelRunner, DataParallelScheduler
+from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
 from jaxpaged.input_processor import InputProcessor, PromptType, pair_prompts
@@ -74,6 +75,9 @@ class LLM:
         replica. On CPU, devices must be made before jax starts:
         ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, and replicas pay only where
         attention dominates (long contexts): each runs its matmuls on its own core.
+      enable_dp_attention: with ``data_parallel_size`` > 1 on CPU, run the replicas' steps as
+        one program over their devices: attention per replica, the MLP and the LM head split
+        between the devices (SGLang's DP attention; :mod:`jaxpaged.dp_attention`).
       async_scheduling: schedule and launch each step while the device runs the previous
         one (vLLM's ``async_scheduling``): the host's work hides behind the device's, and
         the tokens are the synchronous loop's (:mod:`jaxpaged.engine_core`). False runs
@@ -90,13 +94,15 @@ class LLM:
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
-                 kv_cache_dtype: str = "auto", data_parallel_size: int = 1):
+                 kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False):
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling,
                           kv_cache_dtype, data_parallel_size)
         replica_devices = data_parallel_devices(data_parallel_size, tensor_parallel_size)
+        if enable_dp_attention and replica_devices is None:
+            raise ValueError("enable_dp_attention needs data_parallel_size > 1 (the replicas it runs as one program)")
         if isinstance(model, LoadedModel):
             # Sharded, then in the form it runs in (shared by engines over the same model).
             lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
@@ -121,7 +127,7 @@ class LLM:
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else ())
 
-        def replica(model):
+        def replica(model, device=None):
             if kv_allocator == "contiguous":
                 bm = ContiguousBlockManager(num_blocks, block_size, max_model_len=self.max_model_len)
             else:
@@ -133,11 +139,17 @@ class LLM:
                                   preemption_mode=preemption_mode)
             runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
                                  max_model_len=self.max_model_len, eos_ids=self.eos_ids,
-                                 num_host_blocks=bm.num_host_blocks, dtype=self.kv_cache_dtype)
+                                 num_host_blocks=bm.num_host_blocks, dtype=self.kv_cache_dtype, device=device)
             return bm, scheduler, runner
 
         if replica_devices is None:
             self.bm, self.scheduler, self.runner = replica(lm.model)
+        elif enable_dp_attention:  # the replicas' pools and host work; one program runs their steps
+            if lm.model.platform != "cpu" or lm.model.is_stacked:
+                raise ValueError("enable_dp_attention runs the CPU form of a model (a CPU platform)")
+            _, schedulers, runners = zip(*(replica(lm.model, d) for d in replica_devices))
+            self.scheduler, self.runner = DataParallelScheduler(schedulers), DPAttentionRunner(lm.model, list(runners))
+            self.bm = self.scheduler.kv
         else:  # one replica per device; the composites stand in for one (jaxpaged.data_parallel)
             _, schedulers, runners = zip(*(replica(model_on_device(lm.model, d)) for d in replica_devices))
             self.scheduler, self.runner = DataParallelScheduler(schedulers), DataParallelRunner(runners)

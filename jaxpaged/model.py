@@ -397,8 +397,17 @@ class Llama(nnx.Module):
         kv: KVPool,
         md: AttentionMetadata,
         logits_indices: Int[Array, "S"] | None = None,
+        *,
+        dp_axis: str | None = None,
+        head_shard: Float[Array, "V/N D"] | None = None,
     ) -> tuple[Float[Array, "S V"], KVPool]:
-        """Run one step. Returns logits at ``logits_indices`` (all tokens when None) and the new pool."""
+        """Run one step. Returns logits at ``logits_indices`` (all tokens when None) and the new pool.
+
+        ``dp_axis`` (the CPU form inside ``shard_map``; :mod:`jaxpaged.dp_attention`): this
+        device's rows and pool run their attention here, the MLP is split over the axis (this
+        device's gate/up columns and down rows for every device's rows: an all-gather before,
+        a reduce-scatter after) and the logits come from ``head_shard``, this device's rows of
+        the ``[V, D]`` LM head, for every device's rows, gathered by vocabulary."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -439,8 +448,13 @@ class Llama(nnx.Module):
             def out_proj_mlp(p, x, o):
                 x = x + dot(o.reshape(T, N * H), p.wo[...])
                 h = rms_norm(x, p.post_attn_norm[...], eps)
+                if dp_axis is not None:
+                    h = jax.lax.all_gather(h, dp_axis, tiled=True)
                 g, u = jnp.split(dot(h, p.w_gate_up[...]), 2, axis=1)
-                return x + dot(jax.nn.silu(g) * u, p.w_down[...])
+                y = dot(jax.nn.silu(g) * u, p.w_down[...])
+                if dp_axis is not None:  # partial sums over this device's MLP columns
+                    y = jax.lax.psum_scatter(y, dp_axis, tiled=True)
+                return x + y
 
             # The switches' branches read their layer's arrays where they are and return only
             # activations; the pool's update stays outside them, in the scan's carry.
@@ -481,6 +495,10 @@ class Llama(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = rms_norm(x, self.final_norm[...], eps)
+        if dp_axis is not None:
+            x = jax.lax.all_gather(x, dp_axis, tiled=True)
+            logits = jnp.einsum("SD,VD->SV", x, head_shard.astype(x.dtype), precision=prec)
+            return jax.lax.all_gather(logits.astype(jnp.float32), dp_axis, axis=1, tiled=True), kv
         if mesh is not None:  # vocab shards -> whole rows on every device, for sampling
             tied = self.lm_head is None
             logits = sharding.vocab_parallel_logits(mesh, x, self.embed[...] if tied else self.lm_head[...],

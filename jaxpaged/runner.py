@@ -125,7 +125,7 @@ def row_seed(seed: int, index: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: Llama, *, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_ids: tuple[int, ...] = (), num_host_blocks: int = 0, dtype=None):
+                 eos_ids: tuple[int, ...] = (), num_host_blocks: int = 0, dtype=None, device=None):
         cfg = model.cfg
         self.vocab_size = cfg.vocab_size
         self.block_size = block_size
@@ -138,8 +138,9 @@ class ModelRunner:
         self.mesh = model.mesh
         # Committed to the params' device, as every step's output pool is: an uncommitted first
         # pool made the first step's shape compile twice (once per commitment).
-        pool_device = (next(iter(model.embed[...].devices())) if self.mesh is None
-                       else sharding.pool_sharding(self.mesh))
+        # ``device``: the pool's, where the steps run elsewhere (jaxpaged.dp_attention).
+        pool_device = device or (next(iter(model.embed[...].devices())) if self.mesh is None
+                                 else sharding.pool_sharding(self.mesh))
         self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
                                device=pool_device)
         # On CPU, in huge pages: the attention's gathers read scattered 16 KB tiles of it, and a
@@ -226,25 +227,11 @@ class ModelRunner:
         the tokens it sampled are this step's pending inputs.
         """
         t0 = time.perf_counter()
-        self.apply_block_ops(out.block_ops)
-        if not out.scheduled:
+        batch = self.prepare(out, prev.rows if prev is not None else None)
+        if batch is None:
             return None
-        batch = build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
-                            pending_rows=prev.rows if prev is not None else None)
-        # A sampling chunk ends at the sequence's last token, pending ones included, and the
-        # scheduler has just advanced num_computed_tokens to that end.
-        rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
-                            r.seq.request.prompt_token_ids,
-                            r.seq.output_token_ids if r.seq.request.params.has_penalties else (),
-                            r.seq.num_computed_tokens - r.seq.num_prompt_tokens) for r in batch.rows]
-        sm, num_logprobs, use_penalties = build_sampling_metadata(rows, len(batch.logits_indices), self.vocab_size,
-                                                                  self.eos_ids)
-        # Beam search ranks each beam's top 2 * width continuations.
-        beam_k = max((2 * r.seq.request.params.beam_width for r in batch.rows if r.seq.request.is_beam_search),
-                     default=0)
-        num_logprobs = min(bucket(max(num_logprobs, beam_k)) if max(num_logprobs, beam_k) else 0, self.vocab_size)
-        num_prompt_lp = max((r.seq.request.params.prompt_logprobs for r in batch.prompt_lp_rows), default=0)
-        num_prompt_lp = min(bucket(num_prompt_lp), MAX_LOGPROBS) if num_prompt_lp else 0
+        sm, num_logprobs, use_penalties, num_prompt_lp = self.sampling(batch.rows, len(batch.logits_indices),
+                                                                       batch.prompt_lp_rows)
         tokens = batch.tokens
         if batch.token_src is not None:
             self.compiled_shapes.add(("fill", len(tokens), len(prev.sampled.tokens)))
@@ -257,6 +244,33 @@ class ModelRunner:
             x.copy_to_host_async()  # the host needs them next; start the transfer now
         self.time_batch += time.perf_counter() - t0
         return InFlight(batch, sampled, prompt_lp, {r.seq.seq_id: i for i, r in enumerate(batch.rows)})
+
+    def prepare(self, out: SchedulerOutput, pending_rows: dict[int, int] | None = None) -> Batch | None:
+        """The host's half of a step: apply the block moves, build the padded batch (None when
+        nothing is scheduled). ``pending_rows``: the previous step's rows, as in ``build_batch``."""
+        self.apply_block_ops(out.block_ops)
+        if not out.scheduled:
+            return None
+        return build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+                           pending_rows=pending_rows)
+
+    def sampling(self, batch_rows, num_rows: int, prompt_lp_rows) -> tuple:
+        """``(metadata, num_logprobs, use_penalties, num_prompt_logprobs)`` of ``num_rows`` padded
+        sampling rows, the first ``batch_rows`` real."""
+        # A sampling chunk ends at the sequence's last token, pending ones included, and the
+        # scheduler has just advanced num_computed_tokens to that end.
+        rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
+                            r.seq.request.prompt_token_ids,
+                            r.seq.output_token_ids if r.seq.request.params.has_penalties else (),
+                            r.seq.num_computed_tokens - r.seq.num_prompt_tokens) for r in batch_rows]
+        sm, num_logprobs, use_penalties = build_sampling_metadata(rows, num_rows, self.vocab_size, self.eos_ids)
+        # Beam search ranks each beam's top 2 * width continuations.
+        beam_k = max((2 * r.seq.request.params.beam_width for r in batch_rows if r.seq.request.is_beam_search),
+                     default=0)
+        num_logprobs = min(bucket(max(num_logprobs, beam_k)) if max(num_logprobs, beam_k) else 0, self.vocab_size)
+        num_prompt_lp = max((r.seq.request.params.prompt_logprobs for r in prompt_lp_rows), default=0)
+        num_prompt_lp = min(bucket(num_prompt_lp), MAX_LOGPROBS) if num_prompt_lp else 0
+        return sm, num_logprobs, use_penalties, num_prompt_lp
 
     def collect(self, step: InFlight | None) -> RunnerOutput:
         """Wait for a dispatched step; its sampled rows and prompt logprobs as numpy."""
