@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="shard the model and KV cache over this many devices")
     e.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run this many engine replicas, one per device, and spread the requests over them")
+    e.add_argument("--enable-dp-attention", action="store_true",
+                   help="on CPU, run the replicas' steps as one program: attention per replica, the MLP and "
+                        "LM head split between the devices (needs --data-parallel-size > 1)")
     e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule each step only after the previous one finished (default: while it runs)")
@@ -63,7 +66,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 swap_space=args.swap_space if args.swap_space not in ("0", "") else 0,
                 attention_backend=args.attention_backend, seed=args.engine_seed,
                 tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling,
-                kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size)
+                kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size,
+                enable_dp_attention=args.enable_dp_attention)
 
 
 def build_parser() -> argparse.ArgumentParser:

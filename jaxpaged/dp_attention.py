@@ -20,6 +20,7 @@ once over every replica's rows, real rows first; each replica gets its rows back
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -34,7 +35,7 @@ from jaxpaged.batch import Batch
 from jaxpaged.data_parallel import DataParallelOutput, DataParallelRunnerOutput
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.padding import NULL_BLOCK, row_bucket, token_bucket
-from jaxpaged.runner import ModelRunner, _fill_pending, _sample
+from jaxpaged.runner import ModelRunner, _fill_pending, _HashedOnce, _sample
 from jaxpaged.scheduler import PromptLogprobs, RunnerOutput
 
 AXIS = "dp"
@@ -85,16 +86,53 @@ def _padded_batch(b: Batch | None, T: int, S: int, W: int, R: int, P_: int) -> d
                 token_src=np.full(T, -1, np.int32) if b.token_src is None else _pad(b.token_src, T, -1))
 
 
+def _md_spec(decode_only: bool) -> AttentionMetadata:
+    rows = P(AXIS)
+    return AttentionMetadata(positions=rows, slot_mapping=rows, block_tables=P(AXIS, None), context_lens=rows,
+                             query_start_loc=rows, decode_only=decode_only)
+
+
+# The model and the sampler in one program (unlike ModelRunner's two): on CPU, a program over
+# several devices launched while the previous one runs waits for it to finish (XLA:CPU's
+# client runs each device's part on a worker of a pool the running program holds), so a
+# separate sampler program would hold the host until the model is done. Module level, as
+# ModelRunner's, so that engines over the same model share the compiled steps.
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,),
+                   static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
+def _step(layout: _HashedOnce, params, head, kv, tokens, token_src, prev_tokens, md, idx, pick, sm, prompt_lp_targets,
+          **static):
+    """Fill the pending tokens, run the model under ``shard_map`` over the ``"dp"`` mesh (each
+    device its replica's rows and pool), sample the rows ``pick`` of the gathered logits."""
+    graphdef, treedef, specs, mesh = layout.value
+    rows = P(AXIS)
+
+    def forward(params, head, kv, tokens, md, idx):
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+        return m(tokens, kv, md, logits_indices=idx, dp_axis=AXIS, head_shard=head)
+
+    tokens = _fill_pending(tokens, token_src, prev_tokens)
+    kv_spec = KVPool(P(None, AXIS), P(None, AXIS))
+    forward_d = jax.shard_map(forward, mesh=mesh,
+                              in_specs=(specs, P(AXIS, None), kv_spec, rows, _md_spec(md.decode_only), rows),
+                              out_specs=(P(), kv_spec), check_vma=False)
+    logits, kv = forward_d(params, head, kv, tokens, md, idx)
+    return _sample(logits[pick], sm, prompt_lp_targets, **static), kv
+
+
 class DPAttentionRunner:
     """The replicas' runners (host work and pools) behind one runner; steps run as one program."""
 
     def __init__(self, model, parts: list[ModelRunner]):
         if model.is_stacked or model.mesh is not None:
             raise ValueError("enable_dp_attention runs the CPU form of a model on one device per replica")
+        n = len(parts)
+        for what, size in (("MLP", model.cfg.intermediate_size), ("vocabulary", model.cfg.vocab_size)):
+            if size % n:
+                raise ValueError(f"enable_dp_attention splits the {what} ({size}) over data_parallel_size={n} "
+                                 "devices: it must divide evenly")
         self.parts = parts
         self.devices = [next(iter(p.kv.k.devices())) for p in parts]
         self.mesh = Mesh(np.asarray(self.devices), (AXIS,))
-        n = len(parts)
         graphdef, state = nnx.split(model)
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
         out_in = model.layers[0].out_in
@@ -115,38 +153,10 @@ class DPAttentionRunner:
             params.append(jax.device_put(a, NamedSharding(self.mesh, spec)))
             specs.append(spec)
         head = np.asarray(model.embed[...] if model.lm_head is None else model.lm_head[...].T)  # [V, D]
-        if head.shape[0] % n:
-            raise ValueError(f"enable_dp_attention splits the vocabulary ({head.shape[0]}) over {n} devices: "
-                             "it must divide evenly")
         self.head = jax.device_put(head, NamedSharding(self.mesh, P(AXIS, None)))
         self.params = tuple(params)
-        self._structure = (graphdef, treedef)
-        rows = P(AXIS)
-        md_spec = lambda decode_only: AttentionMetadata(  # noqa: E731
-            positions=rows, slot_mapping=rows, block_tables=P(AXIS, None), context_lens=rows,
-            query_start_loc=rows, decode_only=decode_only)
-        kv_spec = KVPool(P(None, AXIS), P(None, AXIS))
-
-        def forward(params, head, kv, tokens, md, idx):
-            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-            return m(tokens, kv, md, logits_indices=idx, dp_axis=AXIS, head_shard=head)
-
-        def step(params, head, kv, tokens, token_src, prev_tokens, md, idx, pick, sm, prompt_lp_targets, **static):
-            tokens = _fill_pending(tokens, token_src, prev_tokens)
-            forward_d = jax.shard_map(forward, mesh=self.mesh,
-                                      in_specs=(tuple(specs), P(AXIS, None), kv_spec, rows, md_spec(md.decode_only),
-                                                rows),
-                                      out_specs=(P(), kv_spec), check_vma=False)
-            logits, kv = forward_d(params, head, kv, tokens, md, idx)
-            return _sample(logits[pick], sm, prompt_lp_targets, **static), kv
-
-        # The model and the sampler in one program: on CPU, a program over several devices
-        # waits for its inputs when it is launched, so a separate sampler would hold the host
-        # until the model is done, and nothing of the next step's host work would overlap it.
-        self._step = jax.jit(step, donate_argnums=(2,),
-                             static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
-        self._rows = NamedSharding(self.mesh, rows)
-        self._replicated = NamedSharding(self.mesh, P())
+        self._layout = _HashedOnce((graphdef, treedef, tuple(specs), self.mesh))
+        self._rows = NamedSharding(self.mesh, P(AXIS))
         self.compiled_shapes: set[tuple] = set()
         self.time_batch = 0.0
         self.time_device = 0.0
@@ -210,8 +220,8 @@ class DPAttentionRunner:
             query_start_loc=jax.device_put(glob["query_start_loc"], self._rows), decode_only=decode_only)
         idx = np.concatenate([np.concatenate([a["logits_indices"], a["prompt_lp_indices"]]) for a in arrays])
         self.compiled_shapes.add(("forward", T, S, W, R + P_, decode_only))
-        (sampled, prompt_lp), kv = self._step(
-            self.params, self.head, self._global_pool(), glob["tokens"], src, prev_tokens, md, idx,
+        (sampled, prompt_lp), kv = _step(
+            self._layout, self.params, self.head, self._global_pool(), glob["tokens"], src, prev_tokens, md, idx,
             np.asarray(pick, np.int32), sm, targets, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_lp,
             use_penalties=use_penalties)
         self._keep_pool(kv)

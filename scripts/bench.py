@@ -118,6 +118,9 @@ def parse_args(argv=None):
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas, one per device (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N); "
                         "the roofline still counts one reading of the weights per step")
+    p.add_argument("--enable-dp-attention", action="store_true",
+                   help="with --data-parallel-size > 1 on CPU: the replicas' steps as one program (LLM's "
+                        "enable_dp_attention)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", choices=list(WEIGHTS), default="float32",
@@ -604,7 +607,7 @@ def main(argv=None) -> dict:
         return LLM(lm, block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                    enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                   data_parallel_size=args.data_parallel_size, **kw)
+                   data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention, **kw)
 
     llm = engine()
     form = llm.loaded.model

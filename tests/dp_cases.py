@@ -16,11 +16,14 @@ import traffic
 from test_engine_traffic import alone_engine, assert_same_as_alone, preemption_bound
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.loader import load_model
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=2")
 
+# Rounds of random traffic on the model with enable_dp_attention (each compiles its own shapes).
+DPA_ROUNDS = 6
 ENGINE = dict(block_size=4, num_blocks=32, max_num_seqs=3, max_num_batched_tokens=32, debug_checks=True)
 
 
@@ -42,14 +45,18 @@ def _requests(vocab_size: int):
     return prompts, [params[i % len(params)] for i in range(len(prompts))]
 
 
+@pytest.mark.parametrize("dp_attention", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_two_replicas_give_each_request_what_one_gives_it(model, async_scheduling):
+def test_two_replicas_give_each_request_what_one_gives_it(model, async_scheduling, dp_attention):
     """Greedy (with logprobs), seeded top-p, n = 2, beam search and stop strings with a
     penalty, over a pool small enough to preempt: the same completions as one replica, both
-    replicas used, their pools on their own devices, and every block free at the end."""
+    replicas used, their pools on their own devices, and every block free at the end; the
+    replicas as separate programs or, with ``enable_dp_attention``, as one (the MLP split
+    between the devices sums in another order: logprobs agree to float32 rounding)."""
     prompts, params = _requests(model.config.vocab_size)
     one = LLM(model, async_scheduling=async_scheduling, **ENGINE).generate(prompts, params, use_tqdm=False)
-    llm = LLM(model, data_parallel_size=2, async_scheduling=async_scheduling, **ENGINE)
+    llm = LLM(model, data_parallel_size=2, async_scheduling=async_scheduling, enable_dp_attention=dp_attention,
+              **ENGINE)
     two = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(one, two):
         assert len(a.outputs) == len(b.outputs)
@@ -61,7 +68,10 @@ def test_two_replicas_give_each_request_what_one_gives_it(model, async_schedulin
                                            [d[t].logprob for d, t in zip(y.logprobs, y.token_ids)], atol=1e-5)
     devices = [next(iter(r.kv.k.devices())) for r in llm.runner.parts]
     assert devices == jax.devices()[:2]
-    assert all(r.compiled_shapes for r in llm.runner.parts)  # both replicas ran steps
+    if dp_attention:  # one program ran the replicas' steps
+        assert isinstance(llm.runner, DPAttentionRunner) and llm.runner.compiled_shapes
+    else:
+        assert all(r.compiled_shapes for r in llm.runner.parts)  # both replicas ran steps
     stats = llm.stats()
     assert stats["num_used_blocks"] == 0 and stats["num_blocks"] == 2 * (ENGINE["num_blocks"] - 1)
     assert stats["num_preemptions"] > 0  # the pools were small enough to matter
@@ -114,6 +124,29 @@ def test_random_traffic_with_the_paging_oracle_on_two_replicas(model):
                                                                       "swapped_blocks"))
 
 
+def test_random_traffic_on_the_model_with_dp_attention(model):
+    """The engine's random traffic on the model itself, the replicas' steps as one program
+    (``enable_dp_attention``): every request finishes or is aborted or rejected with the
+    tokens it gets alone on one device (up to float32 ties, as the model tier of
+    ``test_engine_traffic`` allows), each replica keeps its limits and FCFS, and no block is
+    left in use."""
+    alone = alone_engine(model, oracle=False)
+    totals = dict(requests=0, compared=0, aborted=0, preemptions=0, async_rounds=0)
+    for seed in range(200, 200 + DPA_ROUNDS):
+        rnd = traffic.make_round(seed, num_requests=20, vocab_size=model.config.vocab_size)
+        rnd.engine.update(data_parallel_size=2, enable_dp_attention=True)
+        res = traffic.run_round(model, rnd, oracle=False)
+        assert res.max_live_seqs <= rnd.engine["max_num_seqs"]
+        totals["compared"] += assert_same_as_alone(res, alone, ties=True)
+        totals["requests"] += len(rnd.arrivals)
+        totals["aborted"] += len(res.aborted)
+        totals["preemptions"] += res.num_preemptions
+        totals["async_rounds"] += rnd.engine["async_scheduling"]
+    print(totals)
+    assert totals["compared"] >= 5 * DPA_ROUNDS and all(totals[k] > 0 for k in ("aborted", "preemptions",
+                                                                             "async_rounds"))
+
+
 def test_errors_name_the_setting(model):
     with pytest.raises(ValueError, match="data_parallel_size=3 needs 3 devices, but only 2"):
         LLM(model, data_parallel_size=3, **ENGINE)
@@ -126,6 +159,9 @@ def test_cli_flag(capsys):
 
     folder = os.environ["JAXPAGED_DP_TINY"]
     assert cli_main(["the river", "a stone", "--model", folder, "-dp", "2", "--max-tokens", "5", "--temperature", "0",
+                     "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert cli_main(["the river", "--model", folder, "-dp", "2", "--enable-dp-attention", "--max-tokens", "5",
                      "--no-progress"]) == 0
     assert capsys.readouterr().out.strip()
     assert cli_main(["hi", "--model", folder, "--data-parallel-size", "4", "--no-progress"]) == 1

@@ -18,10 +18,14 @@ from jaxpaged.engine_args import EngineArgs
 TESTS = Path(__file__).resolve().parent
 
 
-def test_cases_on_two_cpu_devices(tiny_engine_folder):
+# The model-tier traffic of enable_dp_attention in a process of its own: XLA:CPU maps each
+# compiled program's code into a few hundred memory regions, and the cases together compile
+# enough programs to near the kernel's limit of 65,530 a process.
+@pytest.mark.parametrize("which", ["not traffic_on_the_model", "traffic_on_the_model"])
+def test_cases_on_two_cpu_devices(tiny_engine_folder, which):
     env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXPAGED_DP_TINY=str(tiny_engine_folder))
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(TESTS / "dp_cases.py"), "-q", "-p", "no:cacheprovider"],
-                          env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(TESTS / "dp_cases.py"), "-q", "-p", "no:cacheprovider",
+                           "-k", which], env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, \
         proc.stdout[-6000:] + proc.stderr[-3000:]
 
@@ -30,6 +34,11 @@ def test_more_replicas_than_devices_is_refused_before_loading(tiny_engine_model)
     with pytest.raises(ValueError, match=r"data_parallel_size=2 needs 2 devices, but only 1 cpu device\(s\) exist; "
                                          r"on CPU, simulate more devices with XLA_FLAGS=--xla_force_host_platform_device_count=2"):
         LLM(tiny_engine_model, data_parallel_size=2)
+
+
+def test_dp_attention_without_replicas_is_refused_before_loading():
+    with pytest.raises(ValueError, match=r"enable_dp_attention needs data_parallel_size > 1"):
+        LLM("/nonexistent/model", enable_dp_attention=True)
 
 
 @pytest.mark.parametrize("bad, err", [(0, ValueError), (True, TypeError), (1.5, TypeError)])
