@@ -8,13 +8,24 @@ attention of its replica's rows over its replica's pool; the MLP is split betwee
 (each its columns of gate/up and rows of down, for every replica's rows: an all-gather before,
 a reduce-scatter after); the LM head is split by vocabulary. On a 2-vCPU CPU this is what pays:
 XLA:CPU runs one device's small attention ops on one thread without waiting on the other, and
-the matmuls still read each weight once (docs/measurements.md, twenty-seventh session).
+the matmuls still read each weight once (docs/measurements.md, twenty-seventh and
+twenty-eighth sessions).
 
 A step: each replica's :class:`~jaxpaged.runner.ModelRunner` applies its block moves to its
 own pool and builds its padded batch; the batches are padded to common shapes (padding rows
 and tokens as ``batch.py`` pads them) and laid side by side, the replicas' pools viewed as one
 array sharded over the mesh (no copy); the model runs under ``shard_map``; the sampler runs
-once over every replica's rows, real rows first; each replica gets its rows back.
+once over every replica's rows, real rows first; each replica gets its rows back. A step
+where only one replica has work (a single stream, the tail of a batch) runs that replica's
+own model on its device instead: the split program would pay every layer's collectives for
+the other device's padding. So each replica keeps a whole copy of the model (the program's
+replicated weights are those copies; the split MLP and LM head are one more copy in all).
+
+Where a program over several CPU devices is launched while another runs, XLA:CPU's client
+waits in the launch until the running one is done (it runs each device's part on a worker of
+a pool the running program holds); with async scheduling the host's work for the next step
+then overlaps the step launched last, which is why the sampler and the pending-token fill
+run inside the same program.
 """
 
 from __future__ import annotations
@@ -119,6 +130,15 @@ def _step(layout: _HashedOnce, params, head, kv, tokens, token_src, prev_tokens,
     return _sample(logits[pick], sm, prompt_lp_targets, **static), kv
 
 
+def _on_device(x: jax.Array, device) -> jax.Array:
+    """``x`` (whole, or replicated over a mesh) as an array on ``device`` alone, without
+    waiting for it: its shard there, or a copy."""
+    for shard in x.addressable_shards:
+        if shard.device == device and shard.data.shape == x.shape:
+            return shard.data
+    return jax.device_put(x, device)
+
+
 class DPAttentionRunner:
     """The replicas' runners (host work and pools) behind one runner; steps run as one program."""
 
@@ -137,20 +157,22 @@ class DPAttentionRunner:
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
         out_in = model.layers[0].out_in
         params, specs = [], []
-        for path, leaf in leaves_with_path:
+        for i, (path, leaf) in enumerate(leaves_with_path):
             name = jax.tree_util.keystr(path)
-            a = np.asarray(leaf)
             if "w_gate_up" in name:  # this device's gate columns then its up columns
                 axis = 0 if out_in else 1
-                gate, up = np.split(a, 2, axis=axis)
+                gate, up = np.split(np.asarray(leaf), 2, axis=axis)
                 a = np.concatenate([x for d in range(n) for x in (np.split(gate, n, axis)[d], np.split(up, n, axis)[d])],
                                    axis=axis)
                 spec = P(AXIS, None) if out_in else P(None, AXIS)
+                params.append(jax.device_put(a, NamedSharding(self.mesh, spec)))
             elif "w_down" in name:
                 spec = P(None, AXIS) if out_in else P(AXIS, None)
-            else:
+                params.append(jax.device_put(np.asarray(leaf), NamedSharding(self.mesh, spec)))
+            else:  # replicated: the replicas' own copies of it, one per device, as one array
                 spec = P()
-            params.append(jax.device_put(a, NamedSharding(self.mesh, spec)))
+                params.append(jax.make_array_from_single_device_arrays(
+                    leaf.shape, NamedSharding(self.mesh, spec), [p.params[i] for p in parts]))
             specs.append(spec)
         head = np.asarray(model.embed[...] if model.lm_head is None else model.lm_head[...].T)  # [V, D]
         self.head = jax.device_put(head, NamedSharding(self.mesh, P(AXIS, None)))
@@ -185,6 +207,10 @@ class DPAttentionRunner:
         if not real:
             return None
         n = len(self.parts)
+        if len(real) == 1:
+            step = self._dispatch_solo(next(d for d, b in enumerate(batches) if b is not None), batches, prev)
+            self.time_batch += time.perf_counter() - t0
+            return step
         decode_only = all(b.decode_only for b in real)
         S = _per_device(n, max(int((b.context_lens > 0).sum()) for b in real), row_bucket)
         T = S if decode_only else _per_device(n, max(b.num_tokens for b in real), lambda t: token_bucket(t, 8))
@@ -211,7 +237,8 @@ class DPAttentionRunner:
         # program: on CPU a separate one over the devices would wait for the previous step.
         src = np.concatenate([np.where(a["token_src"] >= 0, a["token_src"] + (prev.row_offsets[d] if prev else 0), -1)
                               for d, a in enumerate(arrays)])
-        prev_tokens = prev.sampled.tokens if prev is not None and (src >= 0).any() else np.zeros(1, np.int32)
+        prev_tokens = (jax.device_put(prev.sampled.tokens, NamedSharding(self.mesh, P()))
+                       if prev is not None and (src >= 0).any() else np.zeros(1, np.int32))
         md = AttentionMetadata(
             positions=jax.device_put(glob["positions"], self._rows),
             slot_mapping=jax.device_put(glob["slot_mapping"], self._rows),
@@ -230,6 +257,27 @@ class DPAttentionRunner:
         self.time_batch += time.perf_counter() - t0
         return _Step(batches, sampled, prompt_lp, row_offsets,
                      [{} if b is None else {r.seq.seq_id: i for i, r in enumerate(b.rows)} for b in batches])
+
+    def _dispatch_solo(self, d: int, batches: list[Batch | None], prev: _Step | None) -> _Step:
+        """A step where only replica ``d`` has work: its model alone on its device, as one
+        replica of :class:`~jaxpaged.data_parallel.DataParallelRunner` runs it (the split
+        program would run every layer's collectives for the other device's padding: a single
+        stream took twice its one-device time a token)."""
+        p, b = self.parts[d], batches[d]
+        sm, num_logprobs, use_penalties, num_prompt_lp = p.sampling(b.rows, len(b.logits_indices), b.prompt_lp_rows)
+        if b.token_src is not None:
+            prev_tokens = _on_device(prev.sampled.tokens, self.devices[d])
+            src = np.where(b.token_src >= 0, b.token_src + prev.row_offsets[d], -1).astype(np.int32)
+            p.compiled_shapes.add(("fill", len(b.tokens), len(prev_tokens)))
+            tokens = _fill_pending(b.tokens, src, prev_tokens)
+        else:
+            tokens = jax.device_put(b.tokens, self.devices[d])
+        sampled, prompt_lp = p._launch(b, tokens, sm, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_lp,
+                                       use_penalties=use_penalties)
+        for x in jax.tree.leaves((sampled, prompt_lp)):
+            x.copy_to_host_async()
+        return _Step(batches, sampled, prompt_lp, [0] * len(self.parts),
+                     [{r.seq.seq_id: i for i, r in enumerate(b.rows)} if j == d else {} for j in range(len(self.parts))])
 
     def collect(self, step: _Step | None) -> RunnerOutput:
         if step is None:

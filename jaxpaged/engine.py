@@ -77,7 +77,9 @@ class LLM:
         attention dominates (long contexts): each runs its matmuls on its own core.
       enable_dp_attention: with ``data_parallel_size`` > 1 on CPU, run the replicas' steps as
         one program over their devices: attention per replica, the MLP and the LM head split
-        between the devices (SGLang's DP attention; :mod:`jaxpaged.dp_attention`).
+        between the devices (SGLang's DP attention; :mod:`jaxpaged.dp_attention`); a step
+        with work on one replica only runs on its device alone. Each device holds a copy of
+        the model, and the split weights one more copy in all.
       async_scheduling: schedule and launch each step while the device runs the previous
         one (vLLM's ``async_scheduling``): the host's work hides behind the device's, and
         the tokens are the synchronous loop's (:mod:`jaxpaged.engine_core`). False runs
@@ -147,7 +149,10 @@ class LLM:
         elif enable_dp_attention:  # the replicas' pools and host work; one program runs their steps
             if lm.model.platform != "cpu" or lm.model.is_stacked:
                 raise ValueError("enable_dp_attention runs the CPU form of a model (a CPU platform)")
-            _, schedulers, runners = zip(*(replica(lm.model, d) for d in replica_devices))
+            # Each replica keeps a copy of the model on its device: steps where only one
+            # replica has work run there alone (DPAttentionRunner._dispatch_solo), and the
+            # program over both devices takes its replicated weights from these copies.
+            _, schedulers, runners = zip(*(replica(model_on_device(lm.model, d), d) for d in replica_devices))
             self.scheduler, self.runner = DataParallelScheduler(schedulers), DPAttentionRunner(lm.model, list(runners))
             self.bm = self.scheduler.kv
         else:  # one replica per device; the composites stand in for one (jaxpaged.data_parallel)
