@@ -264,20 +264,13 @@ class DPAttentionRunner:
         program would run every layer's collectives for the other device's padding: a single
         stream took twice its one-device time a token)."""
         p, b = self.parts[d], batches[d]
-        sm, num_logprobs, use_penalties, num_prompt_lp = p.sampling(b.rows, len(b.logits_indices), b.prompt_lp_rows)
-        if b.token_src is not None:
-            prev_tokens = _on_device(prev.sampled.tokens, self.devices[d])
+        src = None
+        if b.token_src is not None:  # the pending tokens' rows in the previous step's sampled rows
             src = np.where(b.token_src >= 0, b.token_src + prev.row_offsets[d], -1).astype(np.int32)
-            p.compiled_shapes.add(("fill", len(b.tokens), len(prev_tokens)))
-            tokens = _fill_pending(b.tokens, src, prev_tokens)
-        else:
-            tokens = jax.device_put(b.tokens, self.devices[d])
-        sampled, prompt_lp = p._launch(b, tokens, sm, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_lp,
-                                       use_penalties=use_penalties)
-        for x in jax.tree.leaves((sampled, prompt_lp)):
-            x.copy_to_host_async()
-        return _Step(batches, sampled, prompt_lp, [0] * len(self.parts),
-                     [{r.seq.seq_id: i for i, r in enumerate(b.rows)} if j == d else {} for j in range(len(self.parts))])
+        prev_tokens = _on_device(prev.sampled.tokens, self.devices[d]) if src is not None else None
+        one = p.launch(b, prev_tokens, src)
+        n = len(self.parts)
+        return _Step(batches, one.sampled, one.prompt_logprobs, [0] * n, [one.rows if j == d else {} for j in range(n)])
 
     def collect(self, step: _Step | None) -> RunnerOutput:
         if step is None:

@@ -230,19 +230,26 @@ class ModelRunner:
         batch = self.prepare(out, prev.rows if prev is not None else None)
         if batch is None:
             return None
+        step = self.launch(batch, prev.sampled.tokens if prev is not None else None, batch.token_src)
+        self.time_batch += time.perf_counter() - t0
+        return step
+
+    def launch(self, batch: Batch, prev_tokens, token_src: np.ndarray | None) -> InFlight:
+        """Launch a prepared batch: the model and the sampler. Token ``t`` whose ``token_src[t]``
+        is ``i >= 0`` is pending: it is ``prev_tokens[i]``, sampled by the step before (on the
+        device, not yet on the host). ``token_src`` None: no pending tokens."""
         sm, num_logprobs, use_penalties, num_prompt_lp = self.sampling(batch.rows, len(batch.logits_indices),
                                                                        batch.prompt_lp_rows)
         tokens = batch.tokens
-        if batch.token_src is not None:
-            self.compiled_shapes.add(("fill", len(tokens), len(prev.sampled.tokens)))
-            tokens = _fill_pending(tokens, batch.token_src, prev.sampled.tokens)
+        if token_src is not None:
+            self.compiled_shapes.add(("fill", len(tokens), len(prev_tokens)))
+            tokens = _fill_pending(tokens, token_src, prev_tokens)
         else:
             tokens = jax.device_put(tokens, self._token_sharding)
         sampled, prompt_lp = self._launch(batch, tokens, sm, num_logprobs=num_logprobs,
                                           num_prompt_logprobs=num_prompt_lp, use_penalties=use_penalties)
         for x in jax.tree.leaves((sampled, prompt_lp)):
             x.copy_to_host_async()  # the host needs them next; start the transfer now
-        self.time_batch += time.perf_counter() - t0
         return InFlight(batch, sampled, prompt_lp, {r.seq.seq_id: i for i, r in enumerate(batch.rows)})
 
     def prepare(self, out: SchedulerOutput, pending_rows: dict[int, int] | None = None) -> Batch | None:

@@ -41,15 +41,16 @@ def _requests(vocab_size: int):
               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True),
               SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True),
               SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=30, stop=["the", "a"], repetition_penalty=1.3)]
+              SamplingParams(temperature=0, max_tokens=30, stop=["the", "a"], repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2, ignore_eos=True)]
     return prompts, [params[i % len(params)] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("dp_attention", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_two_replicas_give_each_request_what_one_gives_it(model, async_scheduling, dp_attention):
-    """Greedy (with logprobs), seeded top-p, n = 2, beam search and stop strings with a
-    penalty, over a pool small enough to preempt: the same completions as one replica, both
+    """Greedy (with logprobs), seeded top-p, n = 2, beam search, stop strings with a penalty
+    and prompt logprobs, over a pool small enough to preempt: the same completions as one replica, both
     replicas used, their pools on their own devices, and every block free at the end; the
     replicas as separate programs or, with ``enable_dp_attention``, as one (the MLP split
     between the devices sums in another order: logprobs agree to float32 rounding)."""
@@ -59,13 +60,19 @@ def test_two_replicas_give_each_request_what_one_gives_it(model, async_schedulin
               **ENGINE)
     two = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(one, two):
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        if a.prompt_logprobs is not None:
+            np.testing.assert_allclose([d[t].logprob for d, t in zip(a.prompt_logprobs[1:], a.prompt_token_ids[1:])],
+                                       [d[t].logprob for d, t in zip(b.prompt_logprobs[1:], b.prompt_token_ids[1:])],
+                                       rtol=1e-5, atol=1e-5)
         assert len(a.outputs) == len(b.outputs)
         for x, y in zip(a.outputs, b.outputs):
             assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
                 y.token_ids, y.text, y.finish_reason, y.stop_reason), (a.prompt, x, y)
             if x.logprobs:
                 np.testing.assert_allclose([d[t].logprob for d, t in zip(x.logprobs, x.token_ids)],
-                                           [d[t].logprob for d, t in zip(y.logprobs, y.token_ids)], atol=1e-5)
+                                           [d[t].logprob for d, t in zip(y.logprobs, y.token_ids)],
+                                           rtol=1e-5, atol=1e-5)
     devices = [next(iter(r.kv.k.devices())) for r in llm.runner.parts]
     assert devices == jax.devices()[:2]
     if dp_attention:  # one program ran the replicas' steps, and a replica alone the steps only it had work for
