@@ -105,6 +105,8 @@ class LLM:
         replica_devices = data_parallel_devices(data_parallel_size, tensor_parallel_size)
         if enable_dp_attention and replica_devices is None:
             raise ValueError("enable_dp_attention needs data_parallel_size > 1 (the replicas it runs as one program)")
+        if enable_dp_attention and replica_devices[0].platform != "cpu":
+            raise ValueError(f"enable_dp_attention runs on CPU devices only, not {replica_devices[0].platform}")
         if isinstance(model, LoadedModel):
             # Sharded, then in the form it runs in (shared by engines over the same model).
             lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
@@ -147,8 +149,8 @@ class LLM:
         if replica_devices is None:
             self.bm, self.scheduler, self.runner = replica(lm.model)
         elif enable_dp_attention:  # the replicas' pools and host work; one program runs their steps
-            if lm.model.platform != "cpu" or lm.model.is_stacked:
-                raise ValueError("enable_dp_attention runs the CPU form of a model (a CPU platform)")
+            if lm.model.is_stacked:
+                raise ValueError("enable_dp_attention runs the CPU form of a model (one CPU device per replica)")
             # Each replica keeps a copy of the model on its device: steps where only one
             # replica has work run there alone (DPAttentionRunner._dispatch_solo), and the
             # program over both devices takes its replicated weights from these copies.
