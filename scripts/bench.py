@@ -10,8 +10,9 @@
 
 What it does, in one process:
 
-1. Ceilings, measured before and after the engine runs: memory bandwidth (256 MiB copy)
-   and float32 matmul FLOP/s (numpy and jax); the roofline uses the best figures seen.
+1. Ceilings, measured before and after the engine runs: memory bandwidth (256 MiB copy;
+   a 256 MiB sum for the read alone) and float32 matmul FLOP/s (numpy and jax); the
+   roofline uses the best figures seen.
 2. A seeded workload of token-id prompts (random ids from the vocabulary, the same ids for
    every system), ``ignore_eos`` and a fixed ``max_tokens`` per request, greedy (or, for
    jaxpaged alone, ``--temperature`` / ``--top-p`` with a seed per request).
@@ -45,7 +46,9 @@ What it does, in one process:
    and each request's token count checked. Also single-stream decode on both sides: one
    request, ``--single-stream-tokens`` new tokens, prefill excluded (llama.cpp's
    ``predicted_per_second``; jaxpaged's decode steps over their step times), the two sides
-   back to back on each prompt (each first in turn) and the ratio taken per pair. llama.cpp keeps
+   back to back on each prompt (each first in turn) and the ratio taken per pair, each beside
+   the read floor (every weight and the context's K/V read once a token at the read bandwidth
+   measured in the run: a batch-1 decode's bound). llama.cpp keeps
    its KV cache in f16 unless told otherwise, so it runs in each of ``--llama-configs``: K/V
    in float32 without and with flash attention (the ratios take the faster), and its f16
    default for reference.
@@ -300,10 +303,12 @@ def paired_single_stream(llm, server, prompts: list[list[int]], new_tokens: int)
                 "paired_ratios": ratios}
 
 
-def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path, Path], vocab: int) -> dict:
+def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path, Path], vocab: int,
+                  cost: ModelCost, read_bandwidth: float) -> dict:
     """llama.cpp's server on every request of the offline run, then the single stream, in each
     of ``args.llama_configs`` (its KV cache type and attention path, ``llama_cpp_peer.CONFIGS``);
-    the single stream on jaxpaged too.
+    the single stream on jaxpaged too, beside its read floor: a token reads every weight and its
+    context's K/V once, at ``read_bandwidth`` (bytes/s, measured in this run).
 
     One slot per request, so llama.cpp batches all of them as jaxpaged does; each slot's
     context fits the longest request. A server is up only while its setting is measured.
@@ -345,8 +350,11 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
         best = {"gen_tok_s": f32[gen]["batch"]["gen_tok_s"], "gen_config": gen,
                 "decode_tok_s": f32[one]["single_stream"]["decode_tok_s"], "decode_config": one,
                 "decode_ratio": f32[one]["single_stream"]["paired_ratio"]}
+    token_bytes = cost.weight_bytes + cost.kv_bytes_per_token * (len(prompts1[0]) + n // 2)
     out = {"configs": configs, "best_float32": best, "dtype": args.dtype,
-           "single_stream": {"jaxpaged": jp1, "prompt_len": len(prompts1[0]), "new_tokens": n}}
+           "single_stream": {"jaxpaged": jp1, "prompt_len": len(prompts1[0]), "new_tokens": n,
+                             "read_floor_tok_s": read_bandwidth / token_bytes, "token_bytes": token_bytes,
+                             "read_bandwidth": read_bandwidth}}
     llama_tables(w, main_run, out)
     return out
 
@@ -378,26 +386,31 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
                    "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's "
                    "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
                    "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
+    floor = ss["read_floor_tok_s"]
     rows = [["jaxpaged", out["dtype"], jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
-             " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"], "-", "-",
-             jp1["prefill_tok_s"]]]
+             jp1["decode_tok_s"] / floor, " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"],
+             "-", "-", jp1["prefill_tok_s"]]]
     for name, c in configs.items():
         lc1 = c["single_stream"]
         rows.append([f"llama.cpp {name}", c["note"], lc1["decode_tok_s"], 1e3 / lc1["decode_tok_s"],
-                     " ".join(f"{r:.1f}" for r in lc1["decode_tok_s_runs"]), lc1["as_asked"],
+                     lc1["decode_tok_s"] / floor, " ".join(f"{r:.1f}" for r in lc1["decode_tok_s_runs"]),
+                     lc1["as_asked"],
                      " ".join(f"{r:.2f}" for r in lc1["paired_ratios"]), lc1["paired_ratio"],
                      lc1["prefill_tok_s"]])
     table(f"Single-stream decode: one request, {ss['prompt_len']}-token prompt, {ss['new_tokens']} new tokens, "
           "medians",
-          ["system", "precision", "decode tok/s", "ms / token", "runs (tok/s)", "tokens as asked",
-           "paired llama.cpp / jaxpaged", "median ratio", "prefill tok/s"], rows,
+          ["system", "precision", "decode tok/s", "ms / token", "of the read floor", "runs (tok/s)",
+           "tokens as asked", "paired llama.cpp / jaxpaged", "median ratio", "prefill tok/s"], rows,
           ["prefill excluded on both sides: jaxpaged's decode steps over their step times (after a warm-up; "
            f"{jp1['compiles']} XLA compiles while timed), llama.cpp's timings.predicted_per_second",
            "each prompt fresh random ids, the same ids on both sides, run by both back to back, each first "
            "in turn (the memory bandwidth this decode reads at swings within minutes): the ratios are per "
            "pair; jaxpaged's row holds all its runs",
            "prefill tok/s: the prompt over its one prefill step (jaxpaged; its first token sampled in it) or "
-           "llama.cpp's timings.prompt_per_second, medians"])
+           "llama.cpp's timings.prompt_per_second, medians",
+           f"read floor: {floor:.1f} tok/s ({1e3 / floor:.1f} ms a token), a token's bytes (every weight and the "
+           f"K/V of the mean context, {ss['token_bytes'] / 1e6:.0f} MB) at the read bandwidth measured in this "
+           f"run ({ss['read_bandwidth'] / 1e9:.1f} GB/s, a jax sum); no decode of one request reads less"])
     if best:
         print(f"against llama.cpp's fastest setting with float32 K/V, weights {out['dtype']}: generated tok/s "
               "llama.cpp / jaxpaged "
@@ -662,7 +675,8 @@ def main(argv=None) -> dict:
 
     shown_peers = []
     if llama:
-        report["llama_cpp"] = run_llama_cpp(args, llm, w, results["offline"], llama, vocab)
+        report["llama_cpp"] = run_llama_cpp(args, llm, w, results["offline"], llama, vocab, cost,
+                                            ceil["read_bandwidth"])
         for name, c in report["llama_cpp"]["configs"].items():
             shown_peers.append({"system": f"llama.cpp {name}", "num_requests": len(w),
                                 "gen_tok_s": c["batch"]["gen_tok_s"]})

@@ -260,6 +260,10 @@ def measure_ceilings(*, quick: bool = False) -> dict[str, float]:
         box[0].block_until_ready()
 
     jax_bw = [2 * nbytes / t for t in _best_median(jax_copy, reps)]
+    # A read alone (a sum on every thread): what a batch-1 decode, which only reads its weights,
+    # can reach. On a 2-vCPU Xeon ~22-24 GB/s, about half the copy's bytes read + written.
+    total = jax.jit(jnp.sum)
+    read_bw = [nbytes / t for t in _best_median(lambda: total(box[0]).block_until_ready(), reps)]
     del a, b, box
 
     n = 1536 if quick else 2048
@@ -282,6 +286,7 @@ def measure_ceilings(*, quick: bool = False) -> dict[str, float]:
         "matmul_jax_m64_head_best": small_head[0], "matmul_jax_m64_head_median": small_head[1],
         "bandwidth_numpy_best": np_bw[0], "bandwidth_numpy_median": np_bw[1],
         "bandwidth_jax_best": jax_bw[0], "bandwidth_jax_median": jax_bw[1],
+        "read_bandwidth": read_bw[0], "read_bandwidth_median": read_bw[1],
         "matmul_numpy_best": np_mm[0], "matmul_numpy_median": np_mm[1],
         "matmul_jax_best": jax_mm[0], "matmul_jax_median": jax_mm[1], "matmul_n": n,
         "bandwidth": max(np_bw[0], jax_bw[0]), "flops": max(np_mm[0], jax_mm[0]),
@@ -294,6 +299,8 @@ def ceilings_table(c: dict[str, float], title: str = "Ceilings measured in this 
              c["bandwidth_numpy_median"] / 1e9],
             ["memory bandwidth, jax x + 1 in place over 256 MiB (GB/s)", c["bandwidth_jax_best"] / 1e9,
              c["bandwidth_jax_median"] / 1e9],
+            ["read bandwidth, jax sum over 256 MiB (GB/s, read)", c["read_bandwidth"] / 1e9,
+             c["read_bandwidth_median"] / 1e9],
             [f"float32 matmul numpy {c['matmul_n']}^3 (GFLOP/s)", c["matmul_numpy_best"] / 1e9,
              c["matmul_numpy_median"] / 1e9],
             [f"float32 matmul jax {c['matmul_n']}^3 (GFLOP/s)", c["matmul_jax_best"] / 1e9,
@@ -303,7 +310,8 @@ def ceilings_table(c: dict[str, float], title: str = "Ceilings measured in this 
             ["info: jax [64,576]x[49152,576]^T (the LM head at batch 64, GFLOP/s)",
              c["matmul_jax_m64_head_best"] / 1e9, c["matmul_jax_m64_head_median"] / 1e9]]
     return table(title, ["ceiling", "best", "median"], rows,
-                 [f"roofline uses the best: {c['bandwidth'] / 1e9:.1f} GB/s and {c['flops'] / 1e9:.0f} GFLOP/s",
+                 [f"roofline uses the best: {c['bandwidth'] / 1e9:.1f} GB/s and {c['flops'] / 1e9:.0f} GFLOP/s; "
+                  "the single stream's read floor (--peers llama.cpp) the read bandwidth",
                   "info rows: decode-shaped matmuls, not used by the roofline (it takes the large-matmul rate)"])
 
 
