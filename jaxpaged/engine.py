@@ -35,7 +35,7 @@ from jaxpaged.runner import ModelRunner
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
-from jaxpaged.sharding import data_parallel_devices, model_on_device
+from jaxpaged.sharding import data_parallel_devices, model_on_device, request_cpu_devices
 
 
 class LLM:
@@ -68,13 +68,15 @@ class LLM:
         request reserves ``max_model_len`` slots (for benchmarks).
       tensor_parallel_size: shard the model and the KV pool over this many devices (a
         ``"tp"`` mesh; the KV heads must divide evenly). See :mod:`jaxpaged.sharding`,
-        also for several hosts. A loaded model is resharded to this size.
+        also for several hosts. A loaded model is resharded to this size. On CPU, devices
+        are made as for ``data_parallel_size``.
       data_parallel_size: run this many replicas of the engine, one per device (the model
         copied to each, each with its own KV pool and scheduler), and spread the requests
         over them (:mod:`jaxpaged.data_parallel`). The limits and the pool size are per
-        replica. On CPU, devices must be made before jax starts:
-        ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, and replicas pay only where
-        attention dominates (long contexts): each runs its matmuls on its own core.
+        replica. On CPU the engine makes its N devices when it is created before any jax
+        computation in the process; otherwise set ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+        before jax starts. Replicas pay only where attention dominates (long contexts): each
+        runs its matmuls on its own core.
       enable_dp_attention: with ``data_parallel_size`` > 1 on CPU, run the replicas' steps as
         one program over their devices: attention per replica, the MLP and the LM head split
         between the devices (SGLang's DP attention; :mod:`jaxpaged.dp_attention`); a step
@@ -102,6 +104,7 @@ class LLM:
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling,
                           kv_cache_dtype, data_parallel_size)
+        request_cpu_devices(data_parallel_size * tensor_parallel_size)  # CPU: made here if jax has not started
         replica_devices = data_parallel_devices(data_parallel_size, tensor_parallel_size)
         if enable_dp_attention and replica_devices is None:
             raise ValueError("enable_dp_attention needs data_parallel_size > 1 (the replicas it runs as one program)")

@@ -69,6 +69,7 @@ network, so in practice keep the ``"tp"`` axis within a node.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import jax
@@ -106,6 +107,27 @@ def valid_tp_sizes(cfg: LlamaConfig) -> list[int]:
             if cfg.num_kv_heads % n == 0 and cfg.intermediate_size % n == 0]
 
 
+def request_cpu_devices(n: int) -> None:
+    """Have jax's CPU backend make ``n`` devices, if it has not started yet.
+
+    Data and tensor parallelism on CPU need several CPU devices, and jax makes them only when
+    its backends start (one by default). Before that, ``jax_num_cpu_devices`` sets how many:
+    an engine created before any jax computation in its process needs no ``XLA_FLAGS``.
+    Nothing changes once the backends are up, or where the process already chose a count
+    (``XLA_FLAGS=--xla_force_host_platform_device_count``, or ``jax_num_cpu_devices`` at least
+    ``n``); the device check then says what is missing. Other platforms' devices are
+    unaffected (their CPU backend gets ``n`` devices too, unused).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 1:
+        return
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or getattr(jax.config, "jax_num_cpu_devices", n) >= n:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backends are up already
+        pass
+
+
 def _check_device_count(name: str, n: int, have: int) -> None:
     """Raise unless ``n`` (the setting ``name``) is an int >= 1 and at most ``have`` devices."""
     if isinstance(n, bool) or not isinstance(n, int):
@@ -113,8 +135,9 @@ def _check_device_count(name: str, n: int, have: int) -> None:
     if n < 1:
         raise ValueError(f"{name}={n} must be >= 1")
     if n > have:
-        hint = (f"; on CPU, simulate more devices with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-                f"set before jax is imported" if jax.default_backend() == "cpu" else "")
+        hint = (f"; on CPU, create the engine before any jax computation runs in the process (it then makes "
+                f"its devices), or set XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax starts"
+                if jax.default_backend() == "cpu" else "")
         raise ValueError(f"{name}={n} needs {n} devices, but only {have} "
                          f"{jax.default_backend()} device(s) exist{hint}")
 

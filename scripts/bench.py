@@ -119,8 +119,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB (default: the engine's)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--data-parallel-size", type=int, default=1,
-                   help="engine replicas, one per device (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N); "
-                        "the roofline still counts one reading of the weights per step")
+                   help="engine replicas, one per device (on CPU the script makes N devices); the roofline still "
+                        "counts one reading of the weights per step")
     p.add_argument("--enable-dp-attention", action="store_true",
                    help="with --data-parallel-size > 1 on CPU: the replicas' steps as one program (LLM's "
                         "enable_dp_attention)")
@@ -582,6 +582,9 @@ def server_mode(args) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from jaxpaged.sharding import request_cpu_devices
+
+    request_cpu_devices(args.data_parallel_size)  # before anything starts jax's backends
     if args.mode == "server":
         print(f"# jaxpaged bench: {machine_header()}", flush=True)
         return server_mode(args)

@@ -31,9 +31,38 @@ def test_cases_on_two_cpu_devices(tiny_engine_folder, which):
 
 
 def test_more_replicas_than_devices_is_refused_before_loading(tiny_engine_model):
+    # This process ran jax computations already (the fixture built a model): too late for the
+    # engine to make its devices, so it says how.
     with pytest.raises(ValueError, match=r"data_parallel_size=2 needs 2 devices, but only 1 cpu device\(s\) exist; "
-                                         r"on CPU, simulate more devices with XLA_FLAGS=--xla_force_host_platform_device_count=2"):
+                                         r"on CPU, create the engine before any jax computation runs in the process "
+                                         r"\(it then makes its devices\), or set "
+                                         r"XLA_FLAGS=--xla_force_host_platform_device_count=2 before jax starts"):
         LLM(tiny_engine_model, data_parallel_size=2)
+
+
+# A fresh process without XLA_FLAGS: the engine makes its two CPU devices itself (jax's
+# backend has not started), and the split runner gives one engine's greedy tokens.
+_FRESH_PROCESS = """
+import sys
+from jaxpaged import LLM, SamplingParams
+folder = sys.argv[1]
+llm = LLM(folder, data_parallel_size=2, enable_dp_attention=True, max_num_seqs=4)
+import jax
+assert jax.device_count() == 2, jax.devices()
+prompts = [{"prompt_token_ids": [5 + i, 17, 3 * i + 1, 40]} for i in range(4)]
+sp = SamplingParams(max_tokens=6, temperature=0)
+split = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+assert llm.runner.compiled_shapes, "the program over both devices never ran"
+one = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, sp, use_tqdm=False)]
+assert split == one, (split, one)
+print("ok", jax.device_count())
+"""
+
+
+def test_engine_makes_its_cpu_devices_in_a_fresh_process(tiny_engine_folder):
+    proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(tiny_engine_folder)], env=child_env(),
+                          cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok 2"), proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_dp_attention_without_replicas_is_refused_before_loading():

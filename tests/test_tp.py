@@ -97,8 +97,9 @@ def test_tp1_adds_nothing(tiny_tp):
 def test_more_devices_than_exist(tiny_tp):
     n = jax.device_count() + 1
     with pytest.raises(ValueError, match=rf"tensor_parallel_size={n} needs {n} devices, but only {n - 1} "
-                                         rf"cpu device\(s\) exist; on CPU, simulate more devices with "
-                                         rf"XLA_FLAGS=--xla_force_host_platform_device_count={n}"):
+                                         rf"cpu device\(s\) exist; on CPU, create the engine before any jax "
+                                         rf"computation runs in the process \(it then makes its devices\), or set "
+                                         rf"XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax starts"):
         LLM(tiny_tp, tensor_parallel_size=n)
 
 
