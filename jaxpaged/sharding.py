@@ -120,7 +120,8 @@ def request_cpu_devices(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n <= 1:
         return
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or getattr(jax.config, "jax_num_cpu_devices", n) >= n:
+    chosen = getattr(jax.config, "jax_num_cpu_devices", n)  # -1: not set
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or chosen >= n:
         return
     try:
         jax.config.update("jax_num_cpu_devices", n)
