@@ -115,8 +115,8 @@ def request_cpu_devices(n: int) -> None:
     an engine created before any jax computation in its process needs no ``XLA_FLAGS``.
     Nothing changes once the backends are up, or where the process already chose a count
     (``XLA_FLAGS=--xla_force_host_platform_device_count``, or ``jax_num_cpu_devices`` at least
-    ``n``); the device check then says what is missing. Other platforms' devices are
-    unaffected (their CPU backend gets ``n`` devices too, unused).
+    ``n``); the device check then says what is missing. On a GPU or TPU the CPU backend gets
+    the ``n`` devices too, unused.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n <= 1:
         return
