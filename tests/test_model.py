@@ -85,6 +85,27 @@ def test_one_token_steps_match_hf(tiny_hf, form):
                                    err_msg=f"token {i}")
 
 
+@pytest.mark.parametrize("rows,k,n,halves", [(1, 576, 576, True), (1, 1536, 576, False), (2, 1536, 576, True),
+                                              (32, 1536, 576, True), (33, 1536, 576, False),
+                                              (8, 576, 1536, False), (8, 1535, 575, False)])
+def test_cpu_dot_takes_the_two_halves_where_its_rule_says(rows, k, n, halves):
+    """Which float32 ``[out, in]`` products run as a batch of the weight's two row halves: one
+    row over a small weight (<= ``ONE_THREAD_MATVEC_MAX`` elements), or 2 to
+    ``TALL_HALVES_MAX_ROWS`` rows over a weight with more inputs than outputs (an even count of
+    them); every other product is one plain dot."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.model import _cpu_dot
+
+    x, w = jnp.zeros((rows, k), jnp.float32), jnp.zeros((n, k), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, w: _cpu_dot(x, w, out_in=True, precision=None))(x, w)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 1
+    (_, (batch_lhs, _)) = dots[0].params["dimension_numbers"]
+    assert bool(batch_lhs) == halves, dots[0]
+
+
 @pytest.mark.parametrize("out_in", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k,n", [(64, 96), (576, 96), (1536, 96), (30, 96), (576, 95), (1024, 1024)])
@@ -92,17 +113,18 @@ def test_cpu_dot_equals_the_plain_product(k, n, dtype, out_in):
     """One row (split contraction when ``k`` divides and the weight is ``[in, out]``; two row
     halves in a batch when the weight is ``[out, in]``, ``n`` even and the weight small, plain
     otherwise: 95 columns, or 1024 x 1024 > ``ONE_THREAD_MATVEC_MAX``) and several rows
-    (plain), either layout, against numpy in float64, at the dtype's precision (bfloat16: the
-    partial sums are added in float32)."""
+    (plain, or two row halves when the weight is ``[out, in]`` with more inputs than outputs and
+    the rows at most ``TALL_HALVES_MAX_ROWS``), either layout, against numpy in float64, at the
+    dtype's precision (bfloat16: the partial sums are added in float32)."""
     import jax
     import jax.numpy as jnp
 
-    from jaxpaged.model import _cpu_dot
+    from jaxpaged.model import TALL_HALVES_MAX_ROWS, _cpu_dot
 
     rng = np.random.default_rng(k + n)
     dt, tol = (jnp.float32, 1e-5) if dtype == "float32" else (jnp.bfloat16, 1e-2)
     w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32), dt)
-    for rows in (1, 3):
+    for rows in (1, 3, TALL_HALVES_MAX_ROWS, TALL_HALVES_MAX_ROWS + 1):
         x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32), dt)
         got = _cpu_dot(x, w.T if out_in else w, out_in=out_in, precision=jax.lax.Precision.HIGHEST)
         assert got.dtype == dt
