@@ -216,7 +216,7 @@ def _cpu_dot(x: Float[Array, "T K"], w: Float[Array, "K N"] | Float[Array, "N K"
     the default model): YNNPACK's product of a few rows reads such a weight at ~8 GB/s, the
     batch of two halves at ~19 (30 layers at 8 rows: 12.2 vs 5.5 ms); the default model's decode
     forward on a 2-vCPU Intel Xeon, alternating in one process, took 0.89x the time at 2 and 4
-    rows, 0.93x at 8, 0.97x at 16 and 32, the same at 48 (and at 2 rows 1.03x when the other
+    rows, 0.93-0.95x at 8, 0.97x at 12 to 32, the same at 48 (and at 2 rows 1.03x when the other
     three projections were split too, so only tall weights are). The split contraction changes
     float32 rounding (~1e-7 relative): a row's logits alone and in a batch differ in their last
     bits, as between batch sizes.
