@@ -41,7 +41,10 @@ platform the kernel's error is raised right away.
 
 Decode-only steps (``md.decode_only``) use the decode kernels (one query per sequence,
 split-K for long tables); all other steps use the ragged kernels (on GPU, or their
-decode rows the decode kernel: ``ragged_paged_attention.MIXED_DECODE_ROWS``).
+decode rows the decode kernel: ``ragged_paged_attention.MIXED_DECODE_ROWS``). A mixed
+step laid out in two parts (``md.num_decode_rows``, the XLA path's layout on CPU) runs
+its leading one-token rows through the decode kernels and the rest through the ragged
+ones, on every backend.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.kv_cache import KVPool
@@ -88,6 +92,18 @@ class AttentionMetadata:
     context_lens: Int[Array, "S"]  # tokens in the cache after this step's writes; 0 = padding row
     query_start_loc: Int[Array, "S+1"]  # sequence s owns tokens [qsl[s], qsl[s+1])
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))  # T == S, one token each
+    # A split mixed step: rows [0, D) one token each (tokens [0, D)), attended as a decode
+    # batch; the rest as a ragged one. 0: not split (batch.build_batch's ``split_decodes``).
+    num_decode_rows: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    def split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """The decode part's metadata and the ragged part's, each with its own rows and tokens."""
+        D = self.num_decode_rows
+        qsl = self.query_start_loc
+        return (AttentionMetadata(self.positions[:D], self.slot_mapping[:D], self.block_tables[:D],
+                                  self.context_lens[:D], qsl[:D + 1], decode_only=True),
+                AttentionMetadata(self.positions[D:], self.slot_mapping[D:], self.block_tables[D:],
+                                  self.context_lens[D:], qsl[D:] - qsl[D]))
 
 
 def check_backend(backend: str) -> None:
@@ -171,6 +187,14 @@ def paged_attention(
     block table at run time.
     """
     check_backend(backend)
+    if md.num_decode_rows and not md.decode_only:
+        D = md.num_decode_rows
+        if not 0 < D < min(q.shape[0], md.context_lens.shape[0]):
+            raise ValueError(f"num_decode_rows={D}: must leave tokens ({q.shape[0]}) and rows "
+                             f"({md.context_lens.shape[0]}) to the ragged part")
+        parts = [paged_attention(x, kv, layer, m, scale=scale, backend=backend, num_splits=num_splits, debug=debug)
+                 for x, m in zip((q[:D], q[D:]), md.split())]
+        return jnp.concatenate(parts)
     check_paged_inputs(q, kv.k, kv.v, md.block_tables, md.context_lens, md.query_start_loc,
                        decode=md.decode_only, what="paged_attention")
     args = (q, kv.k, kv.v, layer, md.block_tables, md.context_lens, md.query_start_loc, md.positions)

@@ -11,6 +11,14 @@ Padding conventions (see ``attention.AttentionMetadata``): padding tokens write 
 null block and belong to no sequence; padding sequences have zero query and context
 length and a block table of null blocks; padding sampling rows read token 0's logits and
 are dropped on the host.
+
+A mixed step (decodes beside prompt chunks) may be laid out in two parts
+(``split_decodes``, the XLA attention path's choice: ``runner.ModelRunner``): its
+one-token rows first, ``D = row_bucket(count)`` rows of one token each (padding rows:
+context 0, the token written into the null block), then the other rows and their tokens;
+``S = row_bucket(D + others)``, ``T = D + token_bucket(other tokens)``. Sampling rows
+keep the scheduler's order. Attention runs the first ``D`` rows as a decode batch and
+the rest as a ragged one (``AttentionMetadata.num_decode_rows``).
 """
 
 from __future__ import annotations
@@ -57,54 +65,76 @@ class Batch:
     # [T] int32: -1, or for a token the host does not know yet (async scheduling) the row of
     # the previous step's sampled tokens that holds it. None when every token is known.
     token_src: np.ndarray | None = None
+    # Rows [0, num_decode_rows) hold one token each, tokens [0, num_decode_rows), and form a
+    # decode batch of their own; 0 when the step is not split (see the module docstring).
+    num_decode_rows: int = 0
 
     @property
     def shape_key(self) -> tuple:
-        """What the model's compilation depends on: (T, (S, W), R + P, decode_only)."""
+        """What the model's compilation depends on: (T, (S, W), R + P, decode_only, num_decode_rows)."""
         return (self.tokens.shape[0], self.block_tables.shape,
-                self.logits_indices.shape[0] + self.prompt_lp_indices.shape[0], self.decode_only)
+                self.logits_indices.shape[0] + self.prompt_lp_indices.shape[0], self.decode_only,
+                self.num_decode_rows)
 
 
 def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8,
-                pending_rows: Mapping[int, int] | None = None) -> Batch:
+                pending_rows: Mapping[int, int] | None = None, split_decodes: bool = False) -> Batch:
     """Padded arrays for one step, from what the scheduler decided (block tables included).
 
     The scheduler's block moves (``out.block_ops``) are the runner's to apply, before the step.
     ``pending_rows`` maps a sequence id to the row of the previous step that sampled its
     pending token (async scheduling); a chunk may end with that token, and ``token_src``
-    says where the device finds it.
+    says where the device finds it. ``split_decodes``: lay a mixed step out as its
+    one-token rows, then the others (see the module docstring).
     """
     sched = out.scheduled
     num_seqs = len(sched)
     num_tokens = sum(s.num_new_tokens for s in sched)
     decode_only = all(s.num_new_tokens == 1 for s in sched)
-    S = row_bucket(num_seqs)
-    T = S if decode_only else token_bucket(num_tokens, token_floor)
-    S = max(S, 1)
+    counts = np.fromiter((s.num_new_tokens for s in sched), np.int32, num_seqs)
+    # The row of each scheduled sequence: in order, or (split) the one-token rows first, then
+    # the others past the one-token part's padding. Sampling rows stay in the scheduler's
+    # order (its update_from_output reads them so).
+    seq_row = np.arange(num_seqs)
+    D = 0  # padded one-token rows leading a split step
+    if split_decodes and not decode_only and (num_ones := int((counts == 1).sum())):
+        one = counts == 1
+        D = row_bucket(num_ones)
+        seq_row[one] = np.arange(num_ones)
+        seq_row[~one] = D + np.arange(num_seqs - num_ones)
+        S = row_bucket(D + num_seqs - num_ones)  # a bucket as unsplit steps' S: the sampler's rows R follow it
+        T = D + token_bucket(num_tokens - num_ones, token_floor)
+    else:
+        S = max(row_bucket(num_seqs), 1)
+        T = S if decode_only else token_bucket(num_tokens, token_floor)
     tables = [s.block_table for s in sched]
     W = min(bucket(max(len(t) for t in tables), 4), bucket(max_blocks_per_seq, 4))
 
     # Per-sequence values as Python lists, turned into arrays once: per-row numpy slicing
     # costs ~20 us a sequence, ~5 ms a step at 256 sequences.
     starts = np.fromiter((s.start for s in sched), np.int32, num_seqs)
-    counts = np.fromiter((s.num_new_tokens for s in sched), np.int32, num_seqs)
     widths = np.fromiter(map(len, tables), np.int64, num_seqs)
     block_tables = np.full((S, W), NULL_BLOCK, np.int32)
-    block_tables[np.repeat(np.arange(num_seqs), widths), np.arange(int(widths.sum())) - np.repeat(
+    block_tables[np.repeat(seq_row, widths), np.arange(int(widths.sum())) - np.repeat(
         np.cumsum(widths) - widths, widths)] = np.fromiter(itertools.chain.from_iterable(tables), np.int32)
     context_lens = np.zeros(S, np.int32)
-    context_lens[:num_seqs] = starts + counts
+    context_lens[seq_row] = starts + counts
+    row_counts = np.zeros(S, np.int32)
+    row_counts[seq_row] = counts
+    row_counts[:D] = 1  # the one-token part's padding rows too: a token each, in the null block
     qsl = np.zeros(S + 1, np.int32)
-    qsl[1:num_seqs + 1] = np.cumsum(counts)
-    qsl[num_seqs + 1:] = num_tokens
-    tok_seq = np.repeat(np.arange(num_seqs), counts)  # sequence of each real token
-    pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_seqs] - starts, counts)
+    qsl[1:] = np.cumsum(row_counts)
+    # The token index and position of every real token, sequence by sequence.
+    within = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts)
+    tok_index = np.repeat(qsl[seq_row], counts) + within
+    pos = (np.repeat(starts, counts) + within).astype(np.int32)
+    tok_seq = np.repeat(seq_row, counts)  # row of each real token
     tokens = np.zeros(T, np.int32)
     known = np.fromiter(itertools.chain.from_iterable(
         s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in sched), np.int32)
     token_src = None
     if len(known) == num_tokens:
-        tokens[:num_tokens] = known
+        tokens[tok_index] = known
     else:  # chunks that end with a pending token: one per sequence at most, the last of its chunk
         lens = np.fromiter((len(s.seq.token_ids) for s in sched), np.int32, num_seqs)
         missing = np.flatnonzero(starts + counts > lens)
@@ -112,13 +142,14 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
             s = sched[missing[0]]
             raise IndexError(f"positions [{s.start}, {s.start + s.num_new_tokens}) of sequence {s.seq.seq_id!r}; "
                              f"the host knows {len(s.seq.token_ids)} of its tokens")
-        is_known = np.ones(num_tokens, bool)
-        is_known[qsl[missing + 1] - 1] = False
-        tokens[:num_tokens][is_known] = known
+        last = qsl[seq_row[missing] + 1] - 1  # the pending tokens' indices
+        is_known = np.ones(T, bool)
+        is_known[last] = False
+        tokens[tok_index[is_known[tok_index]]] = known
         token_src = np.full(T, -1, np.int32)
-        token_src[qsl[missing + 1] - 1] = [pending_rows[sched[i].seq.seq_id] for i in missing]
+        token_src[last] = [pending_rows[sched[i].seq.seq_id] for i in missing]
     positions = np.zeros(T, np.int32)
-    positions[:num_tokens] = pos
+    positions[tok_index] = pos
     # A chunk past the slots the block manager reserved would write into someone else's
     # block (or skip copy-on-write): the scheduler and the block manager disagree.
     reserved = np.fromiter((s.num_slots for s in sched), np.int64, num_seqs)
@@ -128,7 +159,7 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
                          f"it has {reserved[over[0]]} slots")
     bs = block_size
     slots = np.full(T, NULL_BLOCK, np.int32)  # padding tokens write into the null block
-    slots[:num_tokens] = block_tables[tok_seq, pos // bs] * bs + pos % bs
+    slots[tok_index] = block_tables[tok_seq, pos // bs] * bs + pos % bs
 
     rows: list[SampleRow] = []
     logits_indices: list[int] = []
@@ -136,7 +167,7 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     lp_idx: list[np.ndarray] = []
     lp_tgt: list[np.ndarray] = []
     for i, s in enumerate(sched):
-        seq, a, n, t = s.seq, s.start, s.num_new_tokens, int(qsl[i])
+        seq, a, n, t = s.seq, s.start, s.num_new_tokens, int(qsl[seq_row[i]])
         req = seq.request
         for k in range(s.num_samples):  # n > 1 fans out at the first token: sample k of n
             rows.append(SampleRow(seq, k if s.num_samples > 1 else seq.index))
@@ -159,4 +190,4 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
         pi[:num_lp] = np.concatenate(lp_idx)
         pt[:num_lp] = np.concatenate(lp_tgt)
     return Batch(tokens, positions, slots, block_tables, context_lens, qsl, decode_only, li, rows,
-                 pi, pt, lp_rows, num_tokens, token_src)
+                 pi, pt, lp_rows, num_tokens, token_src, D)

@@ -151,6 +151,8 @@ class DPAttentionRunner:
                 raise ValueError(f"enable_dp_attention splits the {what} ({size}) over data_parallel_size={n} "
                                  "devices: it must divide evenly")
         self.parts = parts
+        for p in parts:  # the joint step pads the replicas' batches to common shapes: one layout
+            p.split_decodes = False
         self.devices = [next(iter(p.kv.k.devices())) for p in parts]
         self.mesh = Mesh(np.asarray(self.devices), (AXIS,))
         graphdef, state = nnx.split(model)

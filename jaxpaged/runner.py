@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged import hugepages, sharding
-from jaxpaged.attention import AttentionMetadata
+from jaxpaged.attention import AttentionMetadata, resolve_backend
 from jaxpaged.batch import Batch, build_batch
 from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks
 from jaxpaged.model import Llama
@@ -162,6 +162,12 @@ class ModelRunner:
         self.host_k: np.ndarray | None = None
         self.host_v: np.ndarray | None = None
         self.compiled_shapes: set[tuple] = set()
+        # A mixed step's one-token rows as a decode batch of their own (batch.build_batch's
+        # ``split_decodes``) where the XLA path runs the attention: there a decode row in the
+        # ragged path costs a whole query block, and the ragged path's cost follows its
+        # static block count (the default model on CPU, 40 decodes beside 422 prompt tokens:
+        # 750-780 -> 580 ms a step; docs/measurements.md, "Thirty-first session").
+        self.split_decodes = resolve_backend(model.attention_backend, model.platform) == "xla"
 
     # ---- block moves ----------------------------------------------------------------
 
@@ -259,7 +265,7 @@ class ModelRunner:
         if not out.scheduled:
             return None
         return build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
-                           pending_rows=pending_rows)
+                           pending_rows=pending_rows, split_decodes=self.split_decodes)
 
     def sampling(self, batch_rows, num_rows: int, prompt_lp_rows) -> tuple:
         """``(metadata, num_logprobs, use_penalties, num_prompt_logprobs)`` of ``num_rows`` padded
@@ -299,7 +305,7 @@ class ModelRunner:
         md = AttentionMetadata(
             positions=batch.positions, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
             context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
-            decode_only=batch.decode_only,
+            decode_only=batch.decode_only, num_decode_rows=batch.num_decode_rows,
         )
         idx = np.concatenate([batch.logits_indices, batch.prompt_lp_indices])
         self.compiled_shapes.add(("forward", *batch.shape_key))

@@ -20,19 +20,29 @@ from jaxpaged.sequence import Request
 BS = 4
 
 
-def oracle(sched, bm, T, S, W):
-    """What each array must hold, written one sequence and one token at a time."""
+def oracle(sched, bm, T, S, W, num_decode_rows=0):
+    """What each array must hold, written one sequence and one token at a time: in the
+    scheduler's order, or (``num_decode_rows`` > 0) its one-token rows first, then padding
+    rows of one token up to ``num_decode_rows``, then the others."""
     tokens, positions, slots = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, NULL_BLOCK, np.int32)
     tables, lens, qsl = np.full((S, W), NULL_BLOCK, np.int32), np.zeros(S, np.int32), np.zeros(S + 1, np.int32)
+    order = list(sched)
+    if num_decode_rows:
+        ones = [s for s in sched if s.num_new_tokens == 1]
+        order = ones + [None] * (num_decode_rows - len(ones)) + [s for s in sched if s.num_new_tokens != 1]
     t = 0
-    for i, s in enumerate(sched):
+    for i, s in enumerate(order):
+        if s is None:  # padding of the one-token part: a token in the null block, context 0
+            t += 1
+            qsl[i + 1] = t
+            continue
         table = bm.block_table(s.seq.seq_id)
         tables[i, :len(table)] = table
         for p in range(s.start, s.start + s.num_new_tokens):
             tokens[t], positions[t], slots[t] = s.seq.token_ids[p], p, bm.slot(s.seq.seq_id, p)
             t += 1
         lens[i], qsl[i + 1] = s.start + s.num_new_tokens, t
-    qsl[len(sched) + 1:] = t
+    qsl[len(order) + 1:] = t
     return tokens, positions, slots, tables, lens, qsl
 
 
@@ -43,8 +53,9 @@ seq_strategy = st.integers(1, 40).flatmap(
 
 
 @settings(max_examples=60, deadline=None)
-@given(seqs=st.lists(seq_strategy, min_size=1, max_size=9), holes=st.integers(0, 12), seed=st.integers(0, 99))
-def test_arrays_match_the_oracle(seqs, holes, seed):
+@given(seqs=st.lists(seq_strategy, min_size=1, max_size=9), holes=st.integers(0, 12), seed=st.integers(0, 99),
+       split=st.booleans())
+def test_arrays_match_the_oracle(seqs, holes, seed, split):
     rng = np.random.default_rng(seed)
     bm = BlockManager(200, BS, enable_prefix_caching=False)
     for h in range(holes):  # scatter the free queue: later allocations are not contiguous
@@ -59,25 +70,32 @@ def test_arrays_match_the_oracle(seqs, holes, seed):
         seq.num_computed_tokens = computed
         samples = int(computed + new == n)
         sched.append(ScheduledSeq(seq, computed, new, samples, bm.block_table(seq.seq_id), bm.num_tokens(seq.seq_id)))
-    b = build_batch(SchedulerOutput(sched, [], [], []), block_size=BS, max_blocks_per_seq=64)
+    b = build_batch(SchedulerOutput(sched, [], [], []), block_size=BS, max_blocks_per_seq=64, split_decodes=split)
 
     num_tokens = sum(new for *_, new in seqs)
-    S = bucket(len(seqs))
-    decode_only = all(new == 1 for *_, new in seqs)
+    num_ones = sum(new == 1 for *_, new in seqs)
+    decode_only = num_ones == len(seqs)
     assert b.decode_only == decode_only and b.num_tokens == num_tokens
-    assert b.tokens.shape == (S if decode_only else token_bucket(num_tokens, 8),)
+    D = bucket(num_ones) if split and num_ones and not decode_only else 0  # row_bucket below 33 rows
+    assert b.num_decode_rows == D and b.shape_key[-1] == D
+    S = bucket(len(seqs) - num_ones + D) if D else bucket(len(seqs))
+    assert b.tokens.shape == (S if decode_only else D + token_bucket(num_tokens - (num_ones if D else 0), 8),)
     assert b.block_tables.shape[0] == S and b.block_tables.shape[1] >= max(-(-(c + n) // BS) for _, c, n in seqs)
-    want = oracle(sched, bm, b.tokens.shape[0], S, b.block_tables.shape[1])
+    want = oracle(sched, bm, b.tokens.shape[0], S, b.block_tables.shape[1], D)
     for name, got, exp in zip(("tokens", "positions", "slot_mapping", "block_tables", "context_lens",
                                "query_start_loc"),
                               (b.tokens, b.positions, b.slot_mapping, b.block_tables, b.context_lens,
                                b.query_start_loc), want):
         assert got.dtype == np.int32, name
         np.testing.assert_array_equal(got, exp, err_msg=name)
-    # Rows sample at the last token of each chunk that reaches the end of its prompt.
-    samplers = [i for i, s in enumerate(sched) if s.samples]
-    assert [r.seq for r in b.rows] == [sched[i].seq for i in samplers]
-    np.testing.assert_array_equal(b.logits_indices[:len(samplers)], [b.query_start_loc[i + 1] - 1 for i in samplers])
+    # Rows sample at the last token of each chunk that reaches the end of its prompt, in the
+    # scheduler's order whatever the layout (its update_from_output reads them so).
+    samplers = [s for s in sched if s.samples]
+    assert [r.seq for r in b.rows] == [s.seq for s in samplers]
+    for row, s in zip(b.logits_indices, samplers):
+        end = s.start + s.num_new_tokens - 1
+        assert (b.tokens[row], b.positions[row]) == (s.seq.token_ids[end], end)
+        assert b.slot_mapping[row] == bm.slot(s.seq.seq_id, end)
 
 
 @pytest.mark.parametrize("reserved", [3, 4])  # past the reserved slots, inside / past the last block

@@ -230,7 +230,13 @@ def test_a_seeded_draw_at_a_float32_tie_may_leave_its_tokens_alone(tiny_engine_m
     samples draws another token than alone, where its two largest noisy logits (logit /
     temperature + Gumbel noise) differ by ~1-2e-6, float32 rounding of a row in another
     batch. The rebuilt draw calls exactly that one a tie; every other completion equals its
-    own alone."""
+    own alone. The round ran with mixed steps in one ragged part, so it still does here:
+    with their decodes as a batch of their own (the CPU layout since, ``split_decodes``)
+    that row's rounding differs and the round has no tie."""
+    import jaxpaged.runner
+
+    build_batch = jaxpaged.runner.build_batch
+    monkeypatch.setattr(jaxpaged.runner, "build_batch", lambda *a, **k: build_batch(*a, **k | {"split_decodes": False}))
     ties, rebuild = [], _seeded_tie
 
     def counted(*args):

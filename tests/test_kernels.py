@@ -21,6 +21,7 @@ the PV product).
 repeats it lowered for the GPU and skips when there is none.
 """
 
+import dataclasses
 import functools
 import zlib
 
@@ -312,6 +313,64 @@ class TestXlaKernels:
                 covered = sum(sizes)
                 assert n_blocks <= covered <= -(-n_blocks // chunk) * chunk, (chunk, n_blocks)
                 assert covered - n_blocks < max(half, 1), (chunk, n_blocks)  # exact for chunks of 1, 2
+
+
+def split_layout(chunks, num_decode_rows: int, pad_rows: int = 2, pad_tokens: int = 3):
+    """A mixed step's rows in the two-part layout of ``batch.build_batch(split_decodes=True)``:
+    its one-token rows first, padded to ``num_decode_rows`` rows of one token (context 0),
+    then the others and ``pad_rows`` padding rows. Returns ``(rows, token_src)``: each new
+    row's old row (-1: padding) and each new token's old token index (-1: padding)."""
+    new = [n for _, n in chunks]
+    qsl = np.concatenate([[0], np.cumsum(new)])
+    ones = [i for i, n in enumerate(new) if n == 1]
+    rest = [i for i, n in enumerate(new) if n != 1]
+    rows = ones + [-1] * (num_decode_rows - len(ones)) + rest + [-1] * pad_rows
+    token_src = []
+    for k, i in enumerate(rows):
+        if i >= 0:
+            token_src += range(qsl[i], qsl[i + 1])
+        elif k < num_decode_rows:
+            token_src.append(-1)  # the one-token part's padding row: a token of its own
+    return np.asarray(rows), np.asarray(token_src + [-1] * pad_tokens)
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference", "pallas_gpu", "pallas_tpu"])
+def test_split_mixed_step_matches_the_reference(backend):
+    """A mixed step laid out in two parts (``AttentionMetadata.num_decode_rows``): the
+    one-token rows (decodes, and a one-token prompt chunk) through the decode path, the rest
+    through the ragged one, give every real token what the reference gives it in the
+    usual layout."""
+    from jaxpaged.attention import AttentionMetadata, paged_attention
+    from jaxpaged.kv_cache import KVPool
+
+    bs, head_dim = 16, 64
+    chunks = [(0, 5), (40, 1), (bs - 1, 1), (3, bs - 2), (0, 1), (70, 1), (2 * bs, 9)]
+    case = dict(block_size=bs, ratio=3, head_dim=head_dim, dtype=jnp.float32)
+    (q, k, v, layer, tables, lens, qsl), positions = ragged_case(31, chunks=chunks, **case)
+    ref = np.asarray(ref_ragged(q, k, v, layer, tables, lens, qsl, positions, scale=0.1))
+    D = 8  # four one-token rows, padded
+    rows, token_src = split_layout(chunks, D)
+    real_row, real_tok = rows >= 0, token_src >= 0
+    rng = np.random.default_rng(32)
+    q_split = np.where(real_tok[:, None, None], np.asarray(q)[np.maximum(token_src, 0)],
+                       rng.standard_normal((len(token_src), *q.shape[1:])).astype(np.float32))
+    row_tokens = np.where(real_row, np.diff(np.asarray(qsl))[np.maximum(rows, 0)], 0)
+    row_tokens[:D] = 1
+    md = AttentionMetadata(
+        positions=jnp.asarray(np.where(real_tok, np.asarray(positions)[np.maximum(token_src, 0)], 0), jnp.int32),
+        slot_mapping=jnp.zeros(len(token_src), jnp.int32),  # attention reads the pool only
+        block_tables=jnp.asarray(np.where(real_row[:, None], np.asarray(tables)[np.maximum(rows, 0)], 0)),
+        context_lens=jnp.asarray(np.where(real_row, np.asarray(lens)[np.maximum(rows, 0)], 0), jnp.int32),
+        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(row_tokens)]), jnp.int32),
+        num_decode_rows=D)
+    attend = jax.jit(functools.partial(paged_attention, scale=0.1, backend=backend))
+    out = np.asarray(attend(jnp.asarray(q_split), KVPool(k, v), layer, md))
+    assert out.shape == q_split.shape and np.all(np.isfinite(out[real_tok]))
+    np.testing.assert_allclose(out[real_tok], ref[token_src[real_tok]], atol=2e-5, rtol=2e-5)
+    n = len(rows)
+    with pytest.raises(ValueError, match=rf"num_decode_rows={n}: must leave tokens \(\d+\) and rows \({n}\)"):
+        paged_attention(jnp.asarray(q_split), KVPool(k, v), layer,
+                        dataclasses.replace(md, num_decode_rows=len(rows)), scale=0.1, backend=backend)
 
 
 def test_block_q_rules(monkeypatch):
