@@ -166,7 +166,7 @@ class ModelRunner:
         # ``split_decodes``) where the XLA path runs the attention: there a decode row in the
         # ragged path costs a whole query block, and the ragged path's cost follows its
         # static block count (the default model on CPU, 40 decodes beside 422 prompt tokens:
-        # 750-780 -> 580 ms a step; docs/measurements.md, "Thirty-first session").
+        # 726-788 -> 555-577 ms a step; docs/measurements.md, "Thirty-first session").
         self.split_decodes = resolve_backend(model.attention_backend, model.platform) == "xla"
 
     # ---- block moves ----------------------------------------------------------------
