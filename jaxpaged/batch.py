@@ -12,13 +12,14 @@ null block and belong to no sequence; padding sequences have zero query and cont
 length and a block table of null blocks; padding sampling rows read token 0's logits and
 are dropped on the host.
 
-A mixed step (decodes beside prompt chunks) may be laid out in two parts
-(``split_decodes``, the XLA attention path's choice: ``runner.ModelRunner``): its
-one-token rows first, ``D = row_bucket(count)`` rows of one token each (padding rows:
-context 0, the token written into the null block), then the other rows and their tokens;
-``S = row_bucket(D + others)``, ``T = D + token_bucket(other tokens)``. Sampling rows
-keep the scheduler's order. Attention runs the first ``D`` rows as a decode batch and
-the rest as a ragged one (``AttentionMetadata.num_decode_rows``).
+A mixed step (decodes beside prompt chunks) with at least ``SPLIT_MIN_ROWS`` one-token
+rows may be laid out in two parts (``split_decodes``, the XLA attention path's choice:
+``runner.ModelRunner``): its one-token rows first, ``D = row_bucket(count)`` rows of one
+token each (padding rows: context 0, the token written into the null block), then the
+other rows and their tokens; ``S = row_bucket(D + others)``, ``T = D +
+token_bucket(other tokens)``. Sampling rows keep the scheduler's order. Attention runs
+the first ``D`` rows as a decode batch and the rest as a ragged one
+(``AttentionMetadata.num_decode_rows``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ import numpy as np
 from jaxpaged.padding import NULL_BLOCK, bucket, row_bucket, token_bucket
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.sequence import Sequence
+
+
+# A split step compiles a shape per one-token part's row bucket: below this many one-token
+# rows the step stays in one ragged part, so that small batches add no shapes. A process that
+# compiles thousands of step shapes runs out of memory mappings (each XLA:CPU executable
+# holds several; Linux allows 65,530): the model tier's random traffic, a new engine
+# geometry every round, reached ~64k maps in 320 rounds when every count split.
+SPLIT_MIN_ROWS = 8
 
 
 @dataclasses.dataclass
@@ -97,7 +106,8 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     # order (its update_from_output reads them so).
     seq_row = np.arange(num_seqs)
     D = 0  # padded one-token rows leading a split step
-    if split_decodes and not decode_only and (num_ones := int((counts == 1).sum())):
+    num_ones = int((counts == 1).sum())
+    if split_decodes and not decode_only and num_ones >= SPLIT_MIN_ROWS:
         one = counts == 1
         D = row_bucket(num_ones)
         seq_row[one] = np.arange(num_ones)

@@ -162,11 +162,12 @@ class ModelRunner:
         self.host_k: np.ndarray | None = None
         self.host_v: np.ndarray | None = None
         self.compiled_shapes: set[tuple] = set()
-        # A mixed step's one-token rows as a decode batch of their own (batch.build_batch's
-        # ``split_decodes``) where the XLA path runs the attention: there a decode row in the
-        # ragged path costs a whole query block, and the ragged path's cost follows its
-        # static block count (the default model on CPU, 40 decodes beside 422 prompt tokens:
-        # 726-788 -> 555-577 ms a step; docs/measurements.md, "Thirty-first session").
+        # A mixed step's one-token rows (from batch.SPLIT_MIN_ROWS of them) as a decode batch
+        # of their own (batch.build_batch's ``split_decodes``) where the XLA path attends:
+        # there a decode row in the ragged path costs a whole query block, and the ragged
+        # path's cost follows its static block count (the default model on CPU, 40 decodes
+        # beside 422 prompt tokens: 726-788 -> 555-577 ms a step; docs/measurements.md,
+        # "Thirty-first session").
         self.split_decodes = resolve_backend(model.attention_backend, model.platform) == "xla"
 
     # ---- block moves ----------------------------------------------------------------

@@ -5,11 +5,14 @@ over a real block manager whose blocks are scattered by earlier frees, so block 
 are not contiguous. No jax.
 """
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxpaged import batch
 from jaxpaged.batch import build_batch
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.padding import NULL_BLOCK, bucket, token_bucket
@@ -53,9 +56,9 @@ seq_strategy = st.integers(1, 40).flatmap(
 
 
 @settings(max_examples=60, deadline=None)
-@given(seqs=st.lists(seq_strategy, min_size=1, max_size=9), holes=st.integers(0, 12), seed=st.integers(0, 99),
-       split=st.booleans())
-def test_arrays_match_the_oracle(seqs, holes, seed, split):
+@given(seqs=st.lists(seq_strategy, min_size=1, max_size=12), holes=st.integers(0, 12), seed=st.integers(0, 99),
+       split_min_rows=st.sampled_from([None, 1, 3, batch.SPLIT_MIN_ROWS]))
+def test_arrays_match_the_oracle(seqs, holes, seed, split_min_rows):
     rng = np.random.default_rng(seed)
     bm = BlockManager(200, BS, enable_prefix_caching=False)
     for h in range(holes):  # scatter the free queue: later allocations are not contiguous
@@ -70,13 +73,15 @@ def test_arrays_match_the_oracle(seqs, holes, seed, split):
         seq.num_computed_tokens = computed
         samples = int(computed + new == n)
         sched.append(ScheduledSeq(seq, computed, new, samples, bm.block_table(seq.seq_id), bm.num_tokens(seq.seq_id)))
-    b = build_batch(SchedulerOutput(sched, [], [], []), block_size=BS, max_blocks_per_seq=64, split_decodes=split)
+    split = split_min_rows is not None
+    with mock.patch.object(batch, "SPLIT_MIN_ROWS", split_min_rows or 1):
+        b = build_batch(SchedulerOutput(sched, [], [], []), block_size=BS, max_blocks_per_seq=64, split_decodes=split)
 
     num_tokens = sum(new for *_, new in seqs)
     num_ones = sum(new == 1 for *_, new in seqs)
     decode_only = num_ones == len(seqs)
     assert b.decode_only == decode_only and b.num_tokens == num_tokens
-    D = bucket(num_ones) if split and num_ones and not decode_only else 0  # row_bucket below 33 rows
+    D = bucket(num_ones) if split and num_ones >= split_min_rows and not decode_only else 0  # row_bucket < 33
     assert b.num_decode_rows == D and b.shape_key[-1] == D
     S = bucket(len(seqs) - num_ones + D) if D else bucket(len(seqs))
     assert b.tokens.shape == (S if decode_only else D + token_bucket(num_tokens - (num_ones if D else 0), 8),)

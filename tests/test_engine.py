@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxpaged import LLM, SamplingParams, runner
+from jaxpaged import LLM, SamplingParams, batch, runner
 
 PROMPTS = [
     "The quick brown fox",
@@ -56,8 +56,9 @@ def reference(tiny_engine_model):
     dict(kv_allocator="contiguous"),  # the pre-vLLM baseline: 3 regions of max_model_len slots
 ], ids=["prefix-cache", "chunked-prefill", "few-seqs", "preempt-recompute", "preempt-swap", "bs16",
         "contiguous"])
-def test_same_tokens_under_any_schedule(tiny_engine_model, reference, options):
+def test_same_tokens_under_any_schedule(tiny_engine_model, reference, options, monkeypatch):
     greedy, seeded = reference
+    monkeypatch.setattr(batch, "SPLIT_MIN_ROWS", 1)  # mixed steps split at every count, not only past 8 decodes
     llm = make(tiny_engine_model, **options)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == greedy
     assert tokens(llm.generate(PROMPTS, SEEDED, use_tqdm=False)) == seeded
@@ -215,9 +216,9 @@ def test_compiled_shapes_bounded_over_mixed_workload(small_vocab_engine_model):
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     n = llm.stats()["num_compiled_shapes"]
     # The model: S in {1..32} (6), T = S for decode or {8..128} (5) for prefill, W in {4..64} (5);
-    # on CPU, mixed steps split into a one-token part of D in {1..32} rows and the rest
-    # (batch.build_batch's split_decodes), T = D + {8..128}: more prefill shapes (this
-    # workload: 24 model shapes against 22 unsplit, 57 in all against 46). The sampler,
+    # on CPU, mixed steps of 8 or more decodes split into a one-token part of D in {8..32}
+    # rows and the rest (batch.build_batch's split_decodes), T = D + {8..128}: more prefill
+    # shapes (this workload: 24 model shapes against 22 unsplit, 56 in all against 46). The sampler,
     # compiled apart: R = S (6) and two modes (all greedy or not). They add up.
     assert 0 < n <= (6 + 6 * 5) * 5 + 6 * 2, n
     print(f"{n} compiled step shapes for 200 mixed requests")
@@ -263,9 +264,8 @@ def test_steps_with_and_without_pending_tokens_share_one_executable():
 
 def test_steps_past_256_tokens_pad_to_quarter_octaves_and_keep_tokens(tiny_engine_model):
     """A prefill step of 395 tokens runs at T = 448, and a mixed one (3 decodes and a
-    300-token prompt) at 320 (on CPU, where the XLA path splits mixed steps, the prompt's
-    part at 320 after the 3 decodes padded to 4 rows), not at the next power of two; every
-    request gets the tokens it gets alone."""
+    300-token prompt) at 320 (3 decodes are too few to split: ``batch.SPLIT_MIN_ROWS``),
+    not at the next power of two; every request gets the tokens it gets alone."""
     rng = np.random.default_rng(1)
     options = dict(max_num_batched_tokens=1024, max_num_seqs=8, block_size=16, num_blocks=160,
                    enable_prefix_caching=False)
@@ -289,7 +289,7 @@ def test_steps_past_256_tokens_pad_to_quarter_octaves_and_keep_tokens(tiny_engin
     assert [got[i] for i in range(4)] == alone
     # (T less the one-token part, that part's rows) of the steps that are not decode-only
     shapes = {(k[1] - k[-1], k[-1]) for k in llm.runner.compiled_shapes if k[0] == "forward" and not k[-2]}
-    assert {(448, 0), (320, 4 if llm.runner.split_decodes else 0)} <= shapes, shapes
+    assert {(448, 0), (320, 0)} <= shapes, shapes
     assert_no_leak(llm)
 
 
