@@ -58,7 +58,7 @@ def reference(tiny_engine_model):
         "contiguous"])
 def test_same_tokens_under_any_schedule(tiny_engine_model, reference, options, monkeypatch):
     greedy, seeded = reference
-    monkeypatch.setattr(batch, "SPLIT_MIN_ROWS", 1)  # mixed steps split at every count, not only past 8 decodes
+    monkeypatch.setattr(batch, "SPLIT_MIN_ROWS", 1)  # mixed steps split at every count, not only from 8 decodes
     llm = make(tiny_engine_model, **options)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == greedy
     assert tokens(llm.generate(PROMPTS, SEEDED, use_tqdm=False)) == seeded

@@ -231,8 +231,8 @@ def test_a_seeded_draw_at_a_float32_tie_may_leave_its_tokens_alone(tiny_engine_m
     temperature + Gumbel noise) differ by ~1-2e-6, float32 rounding of a row in another
     batch. The rebuilt draw calls exactly that one a tie; every other completion equals its
     own alone. The round ran with mixed steps in one ragged part, so it still does here:
-    with their decodes as a batch of their own (the CPU layout since, ``split_decodes``)
-    that row's rounding differs and the round has no tie."""
+    with their decodes as a batch of their own (the CPU layout since, ``split_decodes``;
+    measured with every mixed step split) that row's rounding differs and the round has no tie."""
     import jaxpaged.runner
 
     build_batch = jaxpaged.runner.build_batch
