@@ -98,15 +98,15 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     """
     sched = out.scheduled
     num_seqs = len(sched)
-    num_tokens = sum(s.num_new_tokens for s in sched)
-    decode_only = all(s.num_new_tokens == 1 for s in sched)
     counts = np.fromiter((s.num_new_tokens for s in sched), np.int32, num_seqs)
+    num_tokens = int(counts.sum())
+    num_ones = int((counts == 1).sum())
+    decode_only = num_ones == num_seqs
     # The row of each scheduled sequence: in order, or (split) the one-token rows first, then
     # the others past the one-token part's padding. Sampling rows stay in the scheduler's
     # order (its update_from_output reads them so).
     seq_row = np.arange(num_seqs)
     D = 0  # padded one-token rows leading a split step
-    num_ones = int((counts == 1).sum())
     if split_decodes and not decode_only and num_ones >= SPLIT_MIN_ROWS:
         one = counts == 1
         D = row_bucket(num_ones)
