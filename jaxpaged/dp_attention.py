@@ -46,7 +46,7 @@ from jaxpaged.batch import Batch
 from jaxpaged.data_parallel import DataParallelOutput, DataParallelRunnerOutput
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.padding import NULL_BLOCK, row_bucket, token_bucket
-from jaxpaged.runner import ModelRunner, _fill_pending, _HashedOnce, _sample
+from jaxpaged.runner import PROGRAMS, ModelRunner, _fill_pending, _HashedOnce, _sample
 from jaxpaged.scheduler import PromptLogprobs, RunnerOutput
 
 AXIS = "dp"
@@ -106,10 +106,8 @@ def _md_spec(decode_only: bool) -> AttentionMetadata:
 # The model and the sampler in one program (unlike ModelRunner's two): on CPU, a program over
 # several devices launched while the previous one runs waits for it to finish (XLA:CPU's
 # client runs each device's part on a worker of a pool the running program holds), so a
-# separate sampler program would hold the host until the model is done. Module level, as
-# ModelRunner's, so that engines over the same model share the compiled steps.
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,),
-                   static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
+# separate sampler program would hold the host until the model is done. Jitted per geometry
+# (_DPPrograms, shared through runner.PROGRAMS as ModelRunner's step is).
 def _step(layout: _HashedOnce, params, head, kv, tokens, token_src, prev_tokens, md, idx, pick, sm, prompt_lp_targets,
           **static):
     """Fill the pending tokens, run the model under ``shard_map`` over the ``"dp"`` mesh (each
@@ -137,6 +135,12 @@ def _on_device(x: jax.Array, device) -> jax.Array:
         if shard.device == device and shard.data.shape == x.shape:
             return shard.data
     return jax.device_put(x, device)
+
+
+class _DPPrograms:
+    def __init__(self):
+        self.step = jax.jit(functools.partial(_step), static_argnums=(0,), donate_argnums=(3,),
+                            static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
 
 
 class DPAttentionRunner:
@@ -180,6 +184,9 @@ class DPAttentionRunner:
         self.head = jax.device_put(head, NamedSharding(self.mesh, P(AXIS, None)))
         self.params = tuple(params)
         self._layout = _HashedOnce((graphdef, treedef, tuple(specs), self.mesh))
+        kv = parts[0].kv.k
+        self.programs: _DPPrograms = PROGRAMS.get(
+            ("dp_step", self._layout, kv.shape, kv.dtype, parts[0].max_blocks_per_seq), _DPPrograms)
         self._rows = NamedSharding(self.mesh, P(AXIS))
         self.compiled_shapes: set[tuple] = set()
         self.time_batch = 0.0
@@ -249,7 +256,7 @@ class DPAttentionRunner:
             query_start_loc=jax.device_put(glob["query_start_loc"], self._rows), decode_only=decode_only)
         idx = np.concatenate([np.concatenate([a["logits_indices"], a["prompt_lp_indices"]]) for a in arrays])
         self.compiled_shapes.add(("forward", T, S, W, R + P_, decode_only))
-        (sampled, prompt_lp), kv = _step(
+        (sampled, prompt_lp), kv = self.programs.step(
             self._layout, self.params, self.head, self._global_pool(), glob["tokens"], src, prev_tokens, md, idx,
             np.asarray(pick, np.int32), sm, targets, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_lp,
             use_penalties=use_penalties)

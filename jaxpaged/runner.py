@@ -18,10 +18,14 @@ and ``_forward`` compiles for those input shardings; its pool output leaves the 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
+import threading
 import time
+import weakref
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +78,7 @@ def split_model(model: Llama) -> tuple[_HashedOnce, tuple[jax.Array, ...]]:
 # logits rows), the sampler per (rows, sampling options). One fused jit compiled every
 # product of the two (133 shapes for 180 requests of random traffic, ~0.7 s each on CPU).
 # The logits stay on the device between the two; the pool is donated to the model.
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+# Jitted per geometry by StepPrograms (static_argnums=(0,), donate_argnums=(2,)).
 def _forward(structure: _HashedOnce, params: tuple[jax.Array, ...], kv: KVPool, tokens, md: AttentionMetadata,
              logits_indices):
     """The model over one padded batch: logits at ``logits_indices`` ([N, V]) and the new pool.
@@ -102,10 +106,53 @@ def _fill_pending(tokens, token_src, prev_tokens):
     return jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
 
 
-# Module level, so engines over the same model share compilations.
-_jit_gather = jax.jit(gather_blocks)
-_jit_scatter = jax.jit(scatter_blocks, donate_argnums=(0,))
-_jit_copy = jax.jit(copy_blocks, donate_argnums=(0,))
+class ProgramCache:
+    """Jitted functions that engines of one geometry share, freed once no engine needs them.
+
+    jax keeps a function's compiled programs while the Python function lives (its caches hold
+    the function weakly), so the programs of module-level functions stayed for the life of
+    the process, whatever engine compiled them. On CPU each program holds memory mappings,
+    about three per fused kernel (~177 a step program of the default model, ~166 of the tiny
+    test model), and Linux allows a process 65,530; past it XLA fails with ``LLVM compilation
+    error: Cannot allocate memory``. An engine of the default model compiles some 20-50 step
+    shapes, so a process that built engines of a few pool sizes in turn (a notebook trying
+    memory settings) kept 4-9k mappings per pool size. So ``get`` makes each geometry's
+    functions anew (``make()`` wraps them in ``functools.partial``: function objects of their
+    own), shares them among the live engines of that geometry, and keeps the ``keep_recent``
+    most recently asked-for geometries too, so that engines made one after another over one
+    geometry (tests, a notebook cell run again) still compile once. The rest go with their
+    last engine (``tests/test_engine.py``: the mappings stop growing).
+    """
+
+    def __init__(self, keep_recent: int = 4):
+        self.keep_recent = keep_recent
+        self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._recent: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, make: Callable[[], object]):
+        with self._lock:
+            programs = self._live.get(key)
+            if programs is None:
+                programs = self._live[key] = make()
+            self._recent[key] = programs
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.keep_recent:
+                self._recent.popitem(last=False)
+            return programs
+
+
+PROGRAMS = ProgramCache()
+
+
+class StepPrograms:
+    """The jitted step and block moves over one geometry's pool (shared through :data:`PROGRAMS`)."""
+
+    def __init__(self):
+        self.forward = jax.jit(functools.partial(_forward), static_argnums=(0,), donate_argnums=(2,))
+        self.gather = jax.jit(functools.partial(gather_blocks))
+        self.scatter = jax.jit(functools.partial(scatter_blocks), donate_argnums=(0,))
+        self.copy = jax.jit(functools.partial(copy_blocks), donate_argnums=(0,))
 
 
 @dataclasses.dataclass
@@ -162,6 +209,9 @@ class ModelRunner:
         self.host_k: np.ndarray | None = None
         self.host_v: np.ndarray | None = None
         self.compiled_shapes: set[tuple] = set()
+        self.programs: StepPrograms = PROGRAMS.get(
+            ("step", self.structure, self.kv.k.shape, self.kv.k.dtype, self.kv.k.sharding, self.max_blocks_per_seq),
+            StepPrograms)
         # A mixed step's one-token rows (from batch.SPLIT_MIN_ROWS of them) as a decode batch
         # of their own (batch.build_batch's ``split_decodes``) where the XLA path attends:
         # there a decode row in the ragged path costs a whole query block, and the ragged
@@ -186,7 +236,7 @@ class ModelRunner:
                 j += 1
             pairs = np.array([(a, b) for _, a, b in ops[i:j]], np.int32)
             if kind == "copy":
-                self.kv = _jit_copy(self.kv, *_padded_pairs(pairs))
+                self.kv = self.programs.copy(self.kv, *_padded_pairs(pairs))
             elif kind == "out":
                 self._swap_out(pairs[:, 0], pairs[:, 1])
             else:
@@ -204,7 +254,7 @@ class ModelRunner:
         n = len(device_blocks)
         ids = np.zeros(bucket(n), np.int32)
         ids[:n] = device_blocks
-        k, v = jax.device_get(_jit_gather(self.kv, ids))
+        k, v = jax.device_get(self.programs.gather(self.kv, ids))
         hk[:, host_blocks], hv[:, host_blocks] = k[:, :n], v[:, :n]
 
     def _swap_in(self, host_blocks: np.ndarray, device_blocks: np.ndarray) -> None:
@@ -215,7 +265,7 @@ class ModelRunner:
         k = np.zeros((hk.shape[0], len(ids), *hk.shape[2:]), hk.dtype)
         v = np.zeros_like(k)
         k[:, :n], v[:, :n] = hk[:, host_blocks], hv[:, host_blocks]
-        self.kv = _jit_scatter(self.kv, ids, (k, v))
+        self.kv = self.programs.scatter(self.kv, ids, (k, v))
 
     def param_state(self) -> nnx.State:
         """The model's parameters as the nnx state (``self.params`` holds its leaves)."""
@@ -313,7 +363,7 @@ class ModelRunner:
         self.compiled_shapes.add(("sample", len(batch.logits_indices), len(batch.prompt_lp_indices), num_logprobs,
                                   num_prompt_logprobs, use_penalties, tuple(np.shape(x) for x in jax.tree.leaves(sm)),
                                   jax.tree.structure(sm)))
-        logits, self.kv = _forward(self.structure, self.params, self.kv, tokens, md, idx)
+        logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
         return _sample(logits, sm, batch.prompt_lp_targets, num_logprobs=num_logprobs,
                        num_prompt_logprobs=num_prompt_logprobs, use_penalties=use_penalties)
 

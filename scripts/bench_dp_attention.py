@@ -9,7 +9,7 @@ float32, random weights, 64-token blocks, rows at contexts ``ctx +- spread``) st
 four ways, each in its own process (the device count is fixed when jax starts), the
 processes alternating over ``--rounds``:
 
-- ``engine``: the engine's own forward (``runner._forward`` of the CPU form), one device;
+- ``engine``: the engine's own forward (``runner.StepPrograms().forward`` of the CPU form), one device;
 - ``one device``: this script's forward, one device: what the variants below restructure
   (close to ``engine`` if the script models the engine's forward well);
 - ``rows split, MLP split``: two devices; each holds half the rows and the KV blocks of its
@@ -95,8 +95,10 @@ def child(args) -> dict:
                                query_start_loc=jnp.arange(R + 1, dtype=jnp.int32), decode_only=True)
         tokens, idx, box = jnp.asarray(rng.integers(0, V, R), jnp.int32), jnp.arange(R), [kv]
 
+        forward = runner.StepPrograms().forward
+
         def step():
-            logits, box[0] = runner._forward(*parts, box[0], tokens, md, idx)[:2]
+            logits, box[0] = forward(*parts, box[0], tokens, md, idx)[:2]
             return logits
 
         return timed(step)

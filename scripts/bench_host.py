@@ -79,7 +79,7 @@ def device_only(lm: LoadedModel, batch_size: int, context: int, repeats: int = 5
     from jaxpaged.attention import AttentionMetadata
     from jaxpaged.kv_cache import init_kv_pool
     from jaxpaged.model import runtime_form
-    from jaxpaged.runner import _forward, split_model
+    from jaxpaged.runner import StepPrograms, split_model
     from jaxpaged.sampler import build_sampling_metadata, sample
 
     bs = 16
@@ -94,10 +94,11 @@ def device_only(lm: LoadedModel, batch_size: int, context: int, repeats: int = 5
     sm, _, _ = build_sampling_metadata([], batch_size, CFG.vocab_size, ())
     tokens = np.arange(batch_size, dtype=np.int32)
     sample_fn = jax.jit(lambda logits, sm: sample(logits, sm, num_logprobs=0, use_penalties=False).tokens)
+    forward = StepPrograms().forward
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        logits, kv = _forward(structure, params, kv, tokens, md, np.arange(batch_size, dtype=np.int32))
+        logits, kv = forward(structure, params, kv, tokens, md, np.arange(batch_size, dtype=np.int32))
         sample_fn(logits, sm).block_until_ready()
         times.append(time.perf_counter() - t)
     return float(np.median(times[5:])) * 1e3

@@ -168,7 +168,7 @@ def abstract(tree):
 
 
 def step_args(decode: bool, *, backend="auto", cfg=TINY, dtype=jnp.float32):
-    """Abstract arguments of ``runner._forward`` for a tiny Llama: 3 sequences."""
+    """Abstract arguments of the runner's forward for a tiny Llama: 3 sequences."""
     structure, params = jaxpaged.runner.split_model(Llama(cfg, dtype=dtype, attention_backend=backend,
                                                            rngs=nnx.Rngs(0)))
     pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, BS, cfg.head_dim), dtype)
@@ -181,7 +181,7 @@ def step_args(decode: bool, *, backend="auto", cfg=TINY, dtype=jnp.float32):
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "ragged"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda", "cpu"])
 def test_model_step_lowers_to_the_platforms_kernel(platform, decode, dtype):
-    hlo = lower(jaxpaged.runner._forward, *step_args(decode, dtype=dtype), platform=platform)
+    hlo = lower(jaxpaged.runner.StepPrograms().forward, *step_args(decode, dtype=dtype), platform=platform)
     assert kernels_in(hlo) == EXPECTED[platform]
     assert hlo.count("tf.aliasing_output") == 2  # the donated pool's k and v, on every platform
 
@@ -208,9 +208,9 @@ def test_sampler_and_block_moves_lower_for_accelerators(platform):
     pool = jax.ShapeDtypeStruct((TINY.num_layers, NB, TINY.num_kv_heads, BS, TINY.head_dim), jnp.bfloat16)
     kv, ids = KVPool(pool, pool), i32((4,))
     blocks = jax.ShapeDtypeStruct((TINY.num_layers, 4, *pool.shape[2:]), jnp.bfloat16)
-    for fn, fargs, donated in ((jaxpaged.runner._jit_copy, (kv, ids, ids), True),
-                               (jaxpaged.runner._jit_gather, (kv, ids), False),
-                               (jaxpaged.runner._jit_scatter, (kv, ids, (blocks, blocks)), True)):
+    moves = jaxpaged.runner.StepPrograms()
+    for fn, fargs, donated in ((moves.copy, (kv, ids, ids), True), (moves.gather, (kv, ids), False),
+                               (moves.scatter, (kv, ids, (blocks, blocks)), True)):
         hlo = lower(fn, *fargs, platform=platform)
         assert hlo.count("tf.aliasing_output") == (2 if donated else 0), fn
 
@@ -264,11 +264,11 @@ def test_pallas_tpu_engine_in_tpu_interpret_mode(tiny_engine_model, xla_tokens):
     llm = LLM(tiny_engine_model, attention_backend="pallas_tpu", **ENGINE)
     with pltpu.force_tpu_interpret_mode():
         outs = llm.generate(PROMPTS[:2], dataclasses.replace(GREEDY, max_tokens=3), use_tqdm=False)
-        simulated = jaxpaged.runner._forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
+        simulated = jaxpaged.runner.StepPrograms().forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
     assert [o.outputs[0].token_ids for o in outs] == [t[:3] for t in xla_tokens[:2]]
     # TPU interpret mode runs through host callbacks; Pallas' plain interpreter has none.
     assert "callback" in simulated
-    assert "callback" not in jaxpaged.runner._forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
+    assert "callback" not in jaxpaged.runner.StepPrograms().forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
 
 
 @pytest.mark.cpu_host

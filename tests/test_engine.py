@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxpaged import LLM, SamplingParams, batch, runner
+from jaxpaged import LLM, SamplingParams, batch
 
 PROMPTS = [
     "The quick brown fox",
@@ -222,12 +222,12 @@ def test_compiled_shapes_bounded_over_mixed_workload(small_vocab_engine_model):
     # compiled apart: R = S (6) and two modes (all greedy or not). They add up.
     assert 0 < n <= (6 + 6 * 5) * 5 + 6 * 2, n
     print(f"{n} compiled step shapes for 200 mixed requests")
-    executables = runner._forward._cache_size()
+    executables = llm.runner.programs.forward._cache_size()
     llm.generate(prompts, params, use_tqdm=False)  # the same workload again: nothing new to compile
     assert llm.stats()["num_compiled_shapes"] == n
     # Nor anything XLA would see as new: the first pool was once uncommitted, so the first
     # step's shape compiled again with the committed pool every later step returns.
-    assert runner._forward._cache_size() == executables
+    assert llm.runner.programs.forward._cache_size() == executables
     assert_no_leak(llm)
 
 
@@ -236,7 +236,7 @@ def test_steps_with_and_without_pending_tokens_share_one_executable():
     steps, or async ones with no pending token) or partly from the step before (async
     scheduling fills them in on the device). Host ids were once left uncommitted, so every
     shape seen both ways compiled twice. A model of its own, so no other test's executables
-    are in ``_forward``'s cache."""
+    are in its programs' cache."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -252,15 +252,72 @@ def test_steps_with_and_without_pending_tokens_share_one_executable():
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 96, int(rng.integers(1, 30))).tolist() for _ in range(8)]
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(rng.integers(1, 8))) for _ in prompts]
-    executables = runner._forward._cache_size()
+    executables = llm.runner.programs.forward._cache_size()
     llm.core.async_scheduling = False
     sync = tokens(llm.generate(prompts, params, use_tqdm=False))
     llm.core.async_scheduling = True
     assert tokens(llm.generate(prompts, params, use_tqdm=False)) == sync
     shapes = {k for k in llm.runner.compiled_shapes if k[0] == "forward"}
-    assert runner._forward._cache_size() - executables == len(shapes)
+    assert llm.runner.programs.forward._cache_size() - executables == len(shapes)
     assert_no_leak(llm)
 
+
+ENGINES_OF_NEW_GEOMETRIES = r"""
+import gc, json, os, sys, weakref
+import jax.numpy as jnp
+from flax import nnx
+from jaxpaged import LLM, SamplingParams, runner
+from jaxpaged.config import LlamaConfig
+from jaxpaged.loader import LoadedModel
+from jaxpaged.model import Llama
+
+def maps():
+    if not os.path.exists("/proc/self/maps"):  # not Linux
+        return 0
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                  num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+lm = LoadedModel(Llama(cfg, dtype=jnp.float32, attention_backend="xla", rngs=nnx.Rngs(0)), None, cfg, "random")
+params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)
+counts, programs = [], []
+for i in range(int(sys.argv[1])):
+    llm = LLM(lm, num_blocks=40 + i, block_size=8, max_num_seqs=2, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    programs.append(weakref.ref(llm.runner.programs))
+    del llm
+    gc.collect()
+    counts.append(maps())
+print(json.dumps({"maps": counts, "alive": [p() is not None for p in programs],
+                  "keep": runner.PROGRAMS.keep_recent}))
+"""
+
+
+def test_programs_of_engines_gone_are_freed():
+    """One process building engines of new pool geometries one after another: each geometry's
+    compiled programs go once its engine is gone and it is no longer among the most recent
+    ``keep_recent`` geometries. They once stayed for the life of the process, and each XLA:CPU
+    program holds memory mappings (Linux allows 65,530): a long random-traffic run failed after
+    ~350 engines with "LLVM compilation error: Cannot allocate memory". A process of its own,
+    so that its mappings are its engines' only."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    n = 7
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    r = subprocess.run([sys.executable, "-c", ENGINES_OF_NEW_GEOMETRIES, str(n)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    keep = out["keep"]
+    assert out["alive"] == [False] * (n - keep) + [True] * keep, out
+    maps = out["maps"]
+    per_geometry = (maps[keep - 1] - maps[0]) / (keep - 1)  # while every geometry is kept
+    assert maps[-1] - maps[keep - 1] < per_geometry, out  # then the old ones' programs are unmapped
 
 def test_steps_past_256_tokens_pad_to_quarter_octaves_and_keep_tokens(tiny_engine_model):
     """A prefill step of 395 tokens runs at T = 448, and a mixed one (3 decodes and a

@@ -181,7 +181,7 @@ def _model_step(cfg, kv, tokens, md, logits_indices):
     args = (*runner.split_model(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0))), kv, tokens, md,
             logits_indices)
     with abstract_gpu():
-        cuda = runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        cuda = runner.StepPrograms().forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return cuda, args
 
 
@@ -207,7 +207,7 @@ def test_model_with_an_untileable_mlp_still_lowers_for_cuda_and_runs_here():
                                query_start_loc=jnp.array([0, 1, 1]), decode_only=True)
         cuda, args = _model_step(cfg, init_kv_pool(2, 9, 2, 16, 16, jnp.float32), jnp.array([5, 0]), md,
                                  jnp.array([0, 1]))
-        logits, _ = runner._forward(*args)
+        logits, _ = runner.StepPrograms().forward(*args)
         assert bool(jnp.all(jnp.isfinite(logits)))
         return cuda
 
@@ -345,7 +345,7 @@ def test_model_steps_past_decode_size_take_the_mosaic_kernel_when_asked(monkeypa
         args = (*runner.split_model(llama), init_kv_pool(2, T // 16 + 1, 4, 16, 64, jnp.bfloat16),
                 jnp.ones(T, jnp.int32), md, jnp.array([T - 1]))
         with abstract_gpu():
-            return runner._forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            return runner.StepPrograms().forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     monkeypatch.setattr(model_mod, "STACKED_KERNEL", "mosaic")
     assert len(re.findall(r"custom_call @mosaic_gpu", lowered(128))) == 4  # q/k/v, o, gate/up, down

@@ -46,20 +46,28 @@ def engines(tiny):
     cache), both passes' outputs, and the abstract arguments of its first prefill and first
     decode step (for the HLO)."""
     out = {}
-    step = jaxpaged.runner._forward
-    with pytest.MonkeyPatch.context() as mp:
-        for tp in (1, 2, 4):
-            calls = {}
-
-            def recording_step(*args, **kwargs):
-                calls.setdefault(args[4].decode_only, (jax.tree.map(_abstract, args), kwargs))
-                return step(*args, **kwargs)
-
-            mp.setattr(jaxpaged.runner, "_forward", recording_step)
-            llm = LLM(tiny, tensor_parallel_size=tp, **ENGINE)
+    for tp in (1, 2, 4):
+        llm = LLM(tiny, tensor_parallel_size=tp, **ENGINE)
+        recording = _Recording(llm.runner.programs)
+        with pytest.MonkeyPatch.context() as mp:  # this engine's programs only, while it runs
+            mp.setattr(llm.runner, "programs", recording)
             passes = [llm.generate(PROMPTS, GREEDY, use_tqdm=False) for _ in range(2)]
-            out[tp] = llm, passes, calls
+        out[tp] = llm, passes, recording.calls
     return out
+
+
+class _Recording:
+    """A runner's programs, recording the abstract arguments of its first prefill and decode step."""
+
+    def __init__(self, programs):
+        self.programs, self.calls = programs, {}
+
+    def __getattr__(self, name):
+        return getattr(self.programs, name)
+
+    def forward(self, *args, **kwargs):
+        self.calls.setdefault(args[4].decode_only, (jax.tree.map(_abstract, args), kwargs))
+        return self.programs.forward(*args, **kwargs)
 
 
 def _abstract(x):
@@ -224,7 +232,7 @@ def test_step_hlo_has_two_all_reduces_per_layer_and_no_pool_gather(engines, tp):
     pool_shard = (cfg.num_layers, NB, cfg.num_kv_heads // tp, BS, cfg.head_dim)
     for decode, what in ((False, "prefill"), (True, "decode")):
         args, kwargs = calls[decode]
-        hlo = jaxpaged.runner._forward.lower(*args, **kwargs).compile().as_text()
+        hlo = llm.runner.programs.forward.lower(*args, **kwargs).compile().as_text()
         ops = collectives(hlo)
         T = next(s[0] for k, s, _ in ops if k == "all-reduce")  # padded tokens of the step
         in_layers = sorted((k, s, "attention" if "/attention/" in n else "mlp" if "/mlp/" in n else n)
@@ -268,7 +276,8 @@ def test_tp3_step_lowers_to_the_platforms_kernel_per_shard(decode):
     args = (structure, params, KVPool(pool, pool), i32(q.shape[:1]), md,
             i32(md.context_lens.shape))
     # Not compat.abstract_gpu: its one-device abstract mesh would clash with the "tp" mesh.
-    lowered = {p: jaxpaged.runner._forward.trace(*args).lower(lowering_platforms=(p,)).as_text()
+    forward = jaxpaged.runner.StepPrograms().forward
+    lowered = {p: forward.trace(*args).lower(lowering_platforms=(p,)).as_text()
                for p in ("tpu", "cuda", "cpu")}
     assert {p: kernels_in(h) for p, h in lowered.items()} == {"tpu": {"mosaic"}, "cuda": {"triton"}, "cpu": set()}
     shard_view = f"tensor<{cfg.num_layers * NB}x1x{block_size}x{cfg.head_dim}xf32>"  # [L * NB, KVH / 3, BS, D]
