@@ -88,7 +88,6 @@ def _forward(structure: _HashedOnce, params: tuple[jax.Array, ...], kv: KVPool, 
     return model(tokens, kv, md, logits_indices=logits_indices)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
 def _sample(logits, sm, prompt_lp_targets, *, num_logprobs: int, num_prompt_logprobs: int, use_penalties: bool):
     """Sample the first R rows of ``logits`` (R = the metadata's rows); score the rest against
     ``prompt_lp_targets`` (prompt logprobs; None when there are none)."""
@@ -100,14 +99,14 @@ def _sample(logits, sm, prompt_lp_targets, *, num_logprobs: int, num_prompt_logp
     return out, prompt_lp
 
 
-@jax.jit
 def _fill_pending(tokens, token_src, prev_tokens):
     """``tokens`` with each pending token (``token_src >= 0``) taken from the previous step's samples."""
     return jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
 
 
 class ProgramCache:
-    """Jitted functions that engines of one geometry share, freed once no engine needs them.
+    """Jitted functions that engines with one key share (a pool geometry, a vocabulary), freed
+    once no engine needs them.
 
     jax keeps a function's compiled programs while the Python function lives (its caches hold
     the function weakly), so the programs of module-level functions stayed for the life of
@@ -116,12 +115,12 @@ class ProgramCache:
     test model), and Linux allows a process 65,530; past it XLA fails with ``LLVM compilation
     error: Cannot allocate memory``. An engine of the default model compiles some 20-50 step
     shapes, so a process that built engines of a few pool sizes in turn (a notebook trying
-    memory settings) kept 4-9k mappings per pool size. So ``get`` makes each geometry's
-    functions anew (``make()`` wraps them in ``functools.partial``: function objects of their
-    own), shares them among the live engines of that geometry, and keeps the ``keep_recent``
-    most recently asked-for geometries too, so that engines made one after another over one
-    geometry (tests, a notebook cell run again) still compile once. The rest go with their
-    last engine (``tests/test_engine.py``: the mappings stop growing).
+    memory settings) kept 4-9k mappings per pool size. So ``get`` makes each key's functions
+    anew (``make()`` wraps them in ``functools.partial``: function objects of their own),
+    shares them among the live engines with that key, and keeps the ``keep_recent`` most
+    recently asked-for keys too, so that engines made one after another with one key (tests,
+    a notebook cell run again) still compile once. The rest go with their last engine
+    (``tests/test_engine.py``: the mappings stop growing).
     """
 
     def __init__(self, keep_recent: int = 4):
@@ -142,7 +141,8 @@ class ProgramCache:
             return programs
 
 
-PROGRAMS = ProgramCache()
+PROGRAMS = ProgramCache()  # the steps and block moves, per pool geometry
+SAMPLERS = ProgramCache()  # the sampler and the pending-token fill, per vocabulary (any pool)
 
 
 class StepPrograms:
@@ -153,6 +153,16 @@ class StepPrograms:
         self.gather = jax.jit(functools.partial(gather_blocks))
         self.scatter = jax.jit(functools.partial(scatter_blocks), donate_argnums=(0,))
         self.copy = jax.jit(functools.partial(copy_blocks), donate_argnums=(0,))
+
+
+class SamplerPrograms:
+    """The jitted sampler and pending-token fill of one vocabulary (shared through :data:`SAMPLERS`):
+    their shapes do not depend on the pool, so engines of every pool geometry share them."""
+
+    def __init__(self):
+        self.sample = jax.jit(functools.partial(_sample),
+                              static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
+        self.fill_pending = jax.jit(functools.partial(_fill_pending))
 
 
 @dataclasses.dataclass
@@ -212,6 +222,8 @@ class ModelRunner:
         self.programs: StepPrograms = PROGRAMS.get(
             ("step", self.structure, self.kv.k.shape, self.kv.k.dtype, self.kv.k.sharding, self.max_blocks_per_seq),
             StepPrograms)
+        self.sampler_programs: SamplerPrograms = SAMPLERS.get(("sampler", cfg.vocab_size, self._token_sharding),
+                                                              SamplerPrograms)
         # A mixed step's one-token rows (from batch.SPLIT_MIN_ROWS of them) as a decode batch
         # of their own (batch.build_batch's ``split_decodes``) where the XLA path attends:
         # there a decode row in the ragged path costs a whole query block, and the ragged
@@ -300,7 +312,7 @@ class ModelRunner:
         tokens = batch.tokens
         if token_src is not None:
             self.compiled_shapes.add(("fill", len(tokens), len(prev_tokens)))
-            tokens = _fill_pending(tokens, token_src, prev_tokens)
+            tokens = self.sampler_programs.fill_pending(tokens, token_src, prev_tokens)
         else:
             tokens = jax.device_put(tokens, self._token_sharding)
         sampled, prompt_lp = self._launch(batch, tokens, sm, num_logprobs=num_logprobs,
@@ -364,8 +376,8 @@ class ModelRunner:
                                   num_prompt_logprobs, use_penalties, tuple(np.shape(x) for x in jax.tree.leaves(sm)),
                                   jax.tree.structure(sm)))
         logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
-        return _sample(logits, sm, batch.prompt_lp_targets, num_logprobs=num_logprobs,
-                       num_prompt_logprobs=num_prompt_logprobs, use_penalties=use_penalties)
+        return self.sampler_programs.sample(logits, sm, batch.prompt_lp_targets, num_logprobs=num_logprobs,
+                                            num_prompt_logprobs=num_prompt_logprobs, use_penalties=use_penalties)
 
 
 def _padded_pairs(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -203,7 +203,7 @@ def sampling_args(rows=4):
 def test_sampler_and_block_moves_lower_for_accelerators(platform):
     """The rest of an engine step: sampling and the copy-on-write, swap-out and swap-in jits."""
     args, kwargs = sampling_args()
-    hlo = lower(jaxpaged.runner._sample, *args, platform=platform, **kwargs)
+    hlo = lower(jaxpaged.runner.SamplerPrograms().sample, *args, platform=platform, **kwargs)
     assert "callback" not in hlo  # no host round trip in the step
     pool = jax.ShapeDtypeStruct((TINY.num_layers, NB, TINY.num_kv_heads, BS, TINY.head_dim), jnp.bfloat16)
     kv, ids = KVPool(pool, pool), i32((4,))

@@ -277,31 +277,37 @@ def maps():
     with open("/proc/self/maps") as f:
         return sum(1 for _ in f)
 
-cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                  num_kv_heads=1, head_dim=16, max_position_embeddings=256)
-lm = LoadedModel(Llama(cfg, dtype=jnp.float32, attention_backend="xla", rngs=nnx.Rngs(0)), None, cfg, "random")
 params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)
-counts, programs = [], []
+models = []  # a vocabulary of its own each (made first: their random init compiles programs of jax's)
 for i in range(int(sys.argv[1])):
+    cfg = LlamaConfig(vocab_size=96 + 8 * i, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+    models.append(LoadedModel(Llama(cfg, dtype=jnp.float32, attention_backend="xla", rngs=nnx.Rngs(i)), None, cfg,
+                              "random"))
+counts, programs, samplers = [], [], []
+for i, lm in enumerate(models):  # and a pool size of its own
     llm = LLM(lm, num_blocks=40 + i, block_size=8, max_num_seqs=2, max_num_batched_tokens=16,
               enable_prefix_caching=False)
     llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
     programs.append(weakref.ref(llm.runner.programs))
+    samplers.append(weakref.ref(llm.runner.sampler_programs))
     del llm
     gc.collect()
     counts.append(maps())
 print(json.dumps({"maps": counts, "alive": [p() is not None for p in programs],
-                  "keep": runner.PROGRAMS.keep_recent}))
+                  "samplers_alive": [p() is not None for p in samplers],
+                  "keep": [runner.PROGRAMS.keep_recent, runner.SAMPLERS.keep_recent]}))
 """
 
 
 def test_programs_of_engines_gone_are_freed():
-    """One process building engines of new pool geometries one after another: each geometry's
-    compiled programs go once its engine is gone and it is no longer among the most recent
-    ``keep_recent`` geometries. They once stayed for the life of the process, and each XLA:CPU
-    program holds memory mappings (Linux allows 65,530): a long random-traffic run failed after
-    ~350 engines with "LLVM compilation error: Cannot allocate memory". A process of its own,
-    so that its mappings are its engines' only."""
+    """One process building engines of new pool geometries and vocabularies one after another:
+    each one's compiled programs (the steps and block moves per geometry, the sampler per
+    vocabulary) go once its engine is gone and it is no longer among the most recent
+    ``keep_recent``. They once stayed for the life of the process, and each XLA:CPU program
+    holds memory mappings, ~170 for a step: Linux allows 65,530, past which XLA fails with
+    "LLVM compilation error: Cannot allocate memory". A process of its own, so that its
+    mappings are its engines' only."""
     import json
     import os
     import subprocess
@@ -313,8 +319,9 @@ def test_programs_of_engines_gone_are_freed():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    keep = out["keep"]
+    keep, keep_samplers = out["keep"]
     assert out["alive"] == [False] * (n - keep) + [True] * keep, out
+    assert out["samplers_alive"] == [False] * (n - keep_samplers) + [True] * keep_samplers, out
     maps = out["maps"]
     per_geometry = (maps[keep - 1] - maps[0]) / (keep - 1)  # while every geometry is kept
     assert maps[-1] - maps[keep - 1] < per_geometry, out  # then the old ones' programs are unmapped
