@@ -264,11 +264,12 @@ def test_pallas_tpu_engine_in_tpu_interpret_mode(tiny_engine_model, xla_tokens):
     llm = LLM(tiny_engine_model, attention_backend="pallas_tpu", **ENGINE)
     with pltpu.force_tpu_interpret_mode():
         outs = llm.generate(PROMPTS[:2], dataclasses.replace(GREEDY, max_tokens=3), use_tqdm=False)
-        simulated = jaxpaged.runner.StepPrograms().forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
+        forward = jaxpaged.runner.StepPrograms().forward
+        simulated = forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
     assert [o.outputs[0].token_ids for o in outs] == [t[:3] for t in xla_tokens[:2]]
     # TPU interpret mode runs through host callbacks; Pallas' plain interpreter has none.
     assert "callback" in simulated
-    assert "callback" not in jaxpaged.runner.StepPrograms().forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
+    assert "callback" not in forward.trace(*step_args(True, backend="pallas_tpu")).lower().as_text()
 
 
 @pytest.mark.cpu_host
