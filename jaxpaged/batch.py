@@ -38,8 +38,8 @@ from jaxpaged.sequence import Sequence
 # A split step compiles a shape per one-token part's row bucket: below this many one-token
 # rows the step stays in one ragged part, so that small batches add no shapes. A process that
 # compiles thousands of step shapes runs out of memory mappings (each XLA:CPU executable
-# holds several; Linux allows 65,530): the model tier's random traffic, a new engine
-# geometry every round, reached ~64k maps in 320 rounds when every count split.
+# holds ~170; Linux allows 65,530): the model tier's random traffic (three pool geometries,
+# new engine settings every round) reached ~64k maps in 320 rounds when every count split.
 SPLIT_MIN_ROWS = 8
 
 
