@@ -31,7 +31,6 @@ run inside the same program.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -46,7 +45,7 @@ from jaxpaged.batch import Batch
 from jaxpaged.data_parallel import DataParallelOutput, DataParallelRunnerOutput
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.padding import NULL_BLOCK, row_bucket, token_bucket
-from jaxpaged.runner import PROGRAMS, ModelRunner, _fill_pending, _HashedOnce, _sample
+from jaxpaged.runner import PROGRAMS, ModelRunner, ShapedJit, _fill_pending, _HashedOnce, _sample
 from jaxpaged.scheduler import PromptLogprobs, RunnerOutput
 
 AXIS = "dp"
@@ -139,8 +138,8 @@ def _on_device(x: jax.Array, device) -> jax.Array:
 
 class _DPPrograms:
     def __init__(self):
-        self.step = jax.jit(functools.partial(_step), static_argnums=(0,), donate_argnums=(3,),
-                            static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
+        self.step = ShapedJit(_step, unkeyed_argnums=(1, 2, 3), static_argnums=(0,), donate_argnums=(3,),
+                              static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
 
 
 class DPAttentionRunner:

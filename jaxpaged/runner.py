@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -145,14 +146,156 @@ PROGRAMS = ProgramCache()  # the steps and block moves, per pool geometry
 SAMPLERS = ProgramCache()  # the sampler and the pending-token fill, per vocabulary (any pool)
 
 
+def process_memory_maps() -> int | None:
+    """The process's memory mappings (lines of ``/proc/self/maps``); None where there is no such file."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return None
+
+
+def max_memory_maps() -> int:
+    """The kernel's limit on a process's memory mappings (``vm.max_map_count``, 65,530 by default)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+class ProgramBudget:
+    """The compiled programs the process keeps: every call shape of every :class:`ShapedJit` is
+    a jit object of its own, entered here, and when a new one is made past the budget the least
+    recently used go, their programs with them (made again if their shape comes back, read
+    from jax's persistent cache where it is on: :mod:`jaxpaged.compilation_cache`).
+
+    :class:`ProgramCache` frees the programs of engines that are gone; this bounds those of
+    one engine that lives long. Its step shapes are bucketed, but traffic keeps meeting new
+    ones: one engine over the tiny test model, 5,000 steps of random traffic (lognormal prompt
+    and output lengths, ``n`` up to 3, 5,758 requests), compiled 159 step shapes and held
+    45.7k memory mappings, still growing. On CPU each program holds mappings (~170-250, about
+    three per fused kernel), Linux allows ``vm.max_map_count`` (65,530 by default), and past it
+    XLA fails: ``LLVM compilation error: Cannot allocate memory``. So once the process holds
+    more than ``maps_fraction`` of that limit, a new program first lets go of the least
+    recently used quarter of the entries; and never more than ``max_programs`` entries, on
+    any platform. The mappings are counted only when a program is made (~10 ms at 40k).
+    """
+
+    def __init__(self, max_programs: int = 1024, maps_fraction: float = 0.5):
+        self.max_programs = max_programs
+        self.maps_fraction = maps_fraction
+        self.num_evicted = 0
+        self._entries: collections.OrderedDict = collections.OrderedDict()  # (owner, key) -> jit object
+        self._lock = threading.RLock()  # release() may run from a finalizer inside get()
+        self._map_limit: int | None = None
+
+    def get(self, owner: int, key: Hashable, make: Callable[[], Callable]) -> Callable:
+        with self._lock:
+            fn = self._entries.get((owner, key))
+            if fn is not None:
+                self._entries.move_to_end((owner, key))
+                return fn
+            self._make_room()
+            fn = self._entries[(owner, key)] = make()
+            return fn
+
+    def owned(self, owner: int) -> list[Callable]:
+        with self._lock:
+            return [fn for (o, _), fn in self._entries.items() if o == owner]
+
+    def release(self, owner: int) -> None:
+        """Let go of ``owner``'s entries (its :class:`ShapedJit` is gone)."""
+        with self._lock:
+            for k in [k for k in self._entries if k[0] == owner]:
+                del self._entries[k]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def near_map_limit(self) -> bool:
+        maps = process_memory_maps()
+        if maps is None:
+            return False
+        if self._map_limit is None:
+            self._map_limit = max_memory_maps()
+        return maps > self.maps_fraction * self._map_limit
+
+    def _make_room(self) -> None:
+        n = len(self._entries)
+        if n >= self.max_programs:
+            drop = n - self.max_programs + 1
+        elif n and self.near_map_limit():
+            drop = max(1, n // 4)
+        else:
+            return
+        for _ in range(drop):
+            self._entries.popitem(last=False)
+        self.num_evicted += drop
+        log.info("freed the %d least recently used compiled programs (%d kept)", drop, len(self._entries))
+
+
+BUDGET = ProgramBudget()
+_OWNERS = itertools.count()
+
+
+def _release(owner: int) -> None:
+    BUDGET.release(owner)  # the budget in place when the owner goes (tests swap it)
+
+
+class ShapedJit:
+    """``jax.jit(fn, **options)``, each call shape's programs in a jit object of its own, entered
+    in :data:`BUDGET` so that the least recently used can be freed.
+
+    A call's shape key: the static arguments' values, the other arguments' tree structure and
+    their leaves' shapes and dtypes, leaving out ``unkeyed_argnums``, arguments whose shapes
+    never change for one owner (the params and the pool of one geometry: 180 arrays in the
+    CPU form of the default model, too many to look at every step). A key that misses
+    something jit tells apart (a sharding) only puts two programs in one entry.
+    """
+
+    def __init__(self, fn: Callable, *, unkeyed_argnums: tuple[int, ...] = (), **options):
+        self._fn, self._options = fn, options
+        self._static = tuple(options.get("static_argnums", ()))
+        self._static_names = frozenset(options.get("static_argnames", ()))
+        self._skip = frozenset(self._static) | frozenset(unkeyed_argnums)
+        self._owner = next(_OWNERS)
+        weakref.finalize(self, _release, self._owner)
+
+    def _jit(self):
+        return jax.jit(functools.partial(self._fn), **self._options)
+
+    def key(self, args: tuple, kwargs: dict) -> Hashable:
+        static = tuple(args[i] for i in self._static)
+        static += tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
+        traced = ([a for i, a in enumerate(args) if i not in self._skip],
+                  {k: v for k, v in kwargs.items() if k not in self._static_names})
+        leaves, treedef = jax.tree.flatten(traced)
+        return static, treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
+
+    def __call__(self, *args, **kwargs):
+        return BUDGET.get(self._owner, self.key(args, kwargs), self._jit)(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        """A fresh jit's trace (for lowering; nothing kept)."""
+        return self._jit().trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jit().lower(*args, **kwargs)
+
+    def _cache_size(self) -> int:
+        """Programs compiled and kept, over every shape."""
+        return sum(fn._cache_size() for fn in BUDGET.owned(self._owner))
+
+
 class StepPrograms:
     """The jitted step and block moves over one geometry's pool (shared through :data:`PROGRAMS`)."""
 
     def __init__(self):
-        self.forward = jax.jit(functools.partial(_forward), static_argnums=(0,), donate_argnums=(2,))
-        self.gather = jax.jit(functools.partial(gather_blocks))
-        self.scatter = jax.jit(functools.partial(scatter_blocks), donate_argnums=(0,))
-        self.copy = jax.jit(functools.partial(copy_blocks), donate_argnums=(0,))
+        self.forward = ShapedJit(_forward, unkeyed_argnums=(1, 2), static_argnums=(0,), donate_argnums=(2,))
+        self.gather = ShapedJit(gather_blocks, unkeyed_argnums=(0,))
+        self.scatter = ShapedJit(scatter_blocks, unkeyed_argnums=(0,), donate_argnums=(0,))
+        self.copy = ShapedJit(copy_blocks, unkeyed_argnums=(0,), donate_argnums=(0,))
 
 
 class SamplerPrograms:
@@ -160,9 +303,8 @@ class SamplerPrograms:
     their shapes do not depend on the pool, so engines of every pool geometry share them."""
 
     def __init__(self):
-        self.sample = jax.jit(functools.partial(_sample),
-                              static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
-        self.fill_pending = jax.jit(functools.partial(_fill_pending))
+        self.sample = ShapedJit(_sample, static_argnames=("num_logprobs", "num_prompt_logprobs", "use_penalties"))
+        self.fill_pending = ShapedJit(_fill_pending)
 
 
 @dataclasses.dataclass

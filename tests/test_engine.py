@@ -326,6 +326,63 @@ def test_programs_of_engines_gone_are_freed():
     per_geometry = (maps[keep - 1] - maps[0]) / (keep - 1)  # while every geometry is kept
     assert maps[-1] - maps[keep - 1] < per_geometry, out  # then the old ones' programs are unmapped
 
+def test_program_budget_frees_the_least_recently_used_shapes(monkeypatch):
+    """``runner.ShapedJit`` keeps each call shape's programs in a jit object of its own,
+    entered in the process's ``runner.BUDGET``: past ``max_programs`` the least recently used
+    shape's go (freed: nothing else holds them), and a shape called again is compiled again
+    and gives the same result. An owner's entries go with it."""
+    import gc
+    import weakref
+
+    from jaxpaged import runner
+
+    budget = runner.ProgramBudget(max_programs=3)
+    monkeypatch.setattr(runner, "BUDGET", budget)
+    rng = np.random.default_rng(0)
+    f = runner.ShapedJit(lambda x, y, *, scale: x * scale + y.sum(), static_argnames=("scale",))
+    inputs = {n: (rng.standard_normal(n).astype(np.float32), rng.standard_normal((2, n)).astype(np.float32))
+              for n in (1, 2, 3, 4)}
+    refs = {}
+    for n in (1, 2, 3, 1, 4):  # 1 used again before 4 comes: 2 is the least recently used
+        x, y = inputs[n]
+        np.testing.assert_allclose(f(x, y, scale=3.0), x * 3.0 + y.sum(), rtol=1e-6, atol=1e-6)
+        refs.setdefault(n, weakref.ref(budget.owned(f._owner)[-1]))
+    gc.collect()
+    assert [n for n, r in refs.items() if r() is None] == [2] and len(budget) == 3
+    assert budget.num_evicted == 1 and f._cache_size() == 3
+    f(*inputs[4], scale=2.0)  # a static argument is part of the shape: a new entry, 3 goes
+    assert refs[3]() is None and refs[4]() is not None and budget.num_evicted == 2
+    np.testing.assert_allclose(f(*inputs[2], scale=3.0), inputs[2][0] * 3.0 + inputs[2][1].sum(), rtol=1e-6,
+                               atol=1e-6)
+    del f
+    gc.collect()
+    assert len(budget) == 0
+
+
+def test_program_budget_near_the_map_limit_frees_a_quarter(monkeypatch):
+    """Past ``maps_fraction`` of the kernel's limit on memory mappings (XLA:CPU programs hold
+    them; past the limit XLA cannot compile), each new program first frees the least recently
+    used quarter of the entries; under it, nothing goes."""
+    from jaxpaged import runner
+
+    budget = runner.ProgramBudget(maps_fraction=0.5)
+    monkeypatch.setattr(runner, "BUDGET", budget)
+    monkeypatch.setattr(runner, "max_memory_maps", lambda: 1000)
+    maps = [400]
+    monkeypatch.setattr(runner, "process_memory_maps", lambda: maps[0])
+    f = runner.ShapedJit(lambda x: x + 1)
+    for n in range(1, 9):
+        f(np.ones(n, np.float32))
+    assert len(budget) == 8 and budget.num_evicted == 0
+    maps[0] = 501
+    f(np.ones(9, np.float32))
+    assert len(budget) == 7 and budget.num_evicted == 2  # 8 // 4 went, then 9 came
+    assert [k[1][2][0][0] for k in budget._entries] == [(n,) for n in range(3, 10)]
+    maps[0] = None  # no /proc: no mappings to count, nothing freed
+    f(np.ones(10, np.float32))
+    assert len(budget) == 8
+
+
 def test_steps_past_256_tokens_pad_to_quarter_octaves_and_keep_tokens(tiny_engine_model):
     """A prefill step of 395 tokens runs at T = 448, and a mixed one (3 decodes and a
     300-token prompt) at 320 (3 decodes are too few to split: ``batch.SPLIT_MIN_ROWS``),

@@ -190,6 +190,23 @@ def test_random_traffic_with_the_paging_oracle(tiny_engine_model):
         assert t[key] > 0, (key, t)
 
 
+def test_random_traffic_with_a_budget_of_five_compiled_programs(small_vocab_engine_model, monkeypatch):
+    """The model tier with the process's compiled programs bounded to five (``runner.BUDGET``;
+    a long-lived engine's least recently used step, sampler and block-move programs are freed
+    and made again when their shape comes back): every request still gets its tokens alone,
+    through swaps, copies and async scheduling, and no more than five programs are ever kept."""
+    from jaxpaged import runner
+
+    budget = runner.ProgramBudget(max_programs=5)
+    monkeypatch.setattr(runner, "BUDGET", budget)
+    sizes = []
+    get = budget.get
+    monkeypatch.setattr(budget, "get", lambda *a: (fn := get(*a), sizes.append(len(budget)))[0])
+    t = run_rounds(small_vocab_engine_model, oracle=False, rounds=range(400, 402), num_requests=MODEL_REQUESTS)
+    assert t["compared"] >= 20 and t["preemptions"] > 0 and t["swapped_blocks"] > 0
+    assert budget.num_evicted > 50 and max(sizes) == 5, (budget.num_evicted, max(sizes))
+
+
 @pytest.mark.long
 def test_random_traffic_1000_requests_on_the_tiny_model(small_vocab_engine_model):
     t = run_rounds(small_vocab_engine_model, oracle=False, rounds=range(100, 100 + MODEL_ROUNDS),
