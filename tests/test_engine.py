@@ -326,6 +326,7 @@ def test_programs_of_engines_gone_are_freed():
     per_geometry = (maps[keep - 1] - maps[0]) / (keep - 1)  # while every geometry is kept
     assert maps[-1] - maps[keep - 1] < per_geometry, out  # then the old ones' programs are unmapped
 
+
 def test_program_budget_frees_the_least_recently_used_shapes(monkeypatch):
     """``runner.ShapedJit`` keeps each call shape's programs in a jit object of its own,
     entered in the process's ``runner.BUDGET``: past ``max_programs`` the least recently used
@@ -377,7 +378,8 @@ def test_program_budget_near_the_map_limit_frees_a_quarter(monkeypatch):
     maps[0] = 501
     f(np.ones(9, np.float32))
     assert len(budget) == 7 and budget.num_evicted == 2  # 8 // 4 went, then 9 came
-    assert [k[1][2][0][0] for k in budget._entries] == [(n,) for n in range(3, 10)]
+    first_leaf_shapes = [key[2][0][0] for _, key in budget._entries]  # key: (static, treedef, leaves)
+    assert first_leaf_shapes == [(n,) for n in range(3, 10)]  # the two least recently used went
     maps[0] = None  # no /proc: no mappings to count, nothing freed
     f(np.ones(10, np.float32))
     assert len(budget) == 8

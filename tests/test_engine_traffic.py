@@ -199,9 +199,15 @@ def test_random_traffic_with_a_budget_of_five_compiled_programs(small_vocab_engi
 
     budget = runner.ProgramBudget(max_programs=5)
     monkeypatch.setattr(runner, "BUDGET", budget)
-    sizes = []
+    sizes = []  # entries kept after each call
     get = budget.get
-    monkeypatch.setattr(budget, "get", lambda *a: (fn := get(*a), sizes.append(len(budget)))[0])
+
+    def get_and_count(*args):
+        fn = get(*args)
+        sizes.append(len(budget))
+        return fn
+
+    monkeypatch.setattr(budget, "get", get_and_count)
     t = run_rounds(small_vocab_engine_model, oracle=False, rounds=range(400, 402), num_requests=MODEL_REQUESTS)
     assert t["compared"] >= 20 and t["preemptions"] > 0 and t["swapped_blocks"] > 0
     assert budget.num_evicted > 50 and max(sizes) == 5, (budget.num_evicted, max(sizes))
