@@ -117,11 +117,12 @@ class ProgramCache:
     error: Cannot allocate memory``. An engine of the default model compiles some 20-50 step
     shapes, so a process that built engines of a few pool sizes in turn (a notebook trying
     memory settings) kept 4-9k mappings per pool size. So ``get`` makes each key's functions
-    anew (``make()`` wraps them in ``functools.partial``: function objects of their own),
+    anew (``make()`` builds :class:`ShapedJit` objects: jit objects of their own per shape),
     shares them among the live engines with that key, and keeps the ``keep_recent`` most
     recently asked-for keys too, so that engines made one after another with one key (tests,
     a notebook cell run again) still compile once. The rest go with their last engine
-    (``tests/test_engine.py``: the mappings stop growing).
+    (``tests/test_engine.py``: the mappings stop growing). The shapes one live engine
+    compiles are bounded by :class:`ProgramBudget`.
     """
 
     def __init__(self, keep_recent: int = 4):
