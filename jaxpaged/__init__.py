@@ -5,10 +5,21 @@
 """
 
 import importlib
+import logging
 
 from jaxpaged.xla_flags import set_default_xla_flags
 
 set_default_xla_flags()
+
+
+def _drop_transformers_torch_advice(record: logging.LogRecord) -> bool:
+    """transformers says at import, where PyTorch is not installed, that "Models won't be
+    available": jaxpaged takes only its tokenizers and chat templates and never needs torch,
+    and the CLI's users would read that line as an error. Its other messages pass."""
+    return not record.getMessage().startswith("PyTorch was not found")
+
+
+logging.getLogger("transformers").addFilter(_drop_transformers_torch_advice)
 
 # Lazy, so the host-side modules (block manager, scheduler, sampling params) import
 # without pulling in jax.

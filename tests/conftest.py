@@ -16,7 +16,19 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # model with XLA's defaults beside them, and children that measure what users get run with
 # XLA's defaults (``production_env``). JAXPAGED_TEST_CODEGEN=full keeps XLA's defaults
 # everywhere; processes with a GPU or TPU plugin installed keep them too.
-QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+def _quick_codegen_flags() -> str:
+    import importlib.metadata
+
+    flags = "--xla_backend_optimization_level=0"
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return flags
+    # jaxlib 0.12's XLA:CPU has only the fusion emitters and aborts on the flag that turned them off.
+    return flags if (major, minor) >= (0, 12) else f"{flags} --xla_cpu_use_fusion_emitters=false"
+
+
+QUICK_CODEGEN = _quick_codegen_flags()
 
 
 def _quick_codegen() -> bool:

@@ -43,6 +43,27 @@ def test_import_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_transformers_torch_advice_is_dropped():
+    """Without torch (a plain install: torch is only the tests' oracle) transformers logs at
+    import that "Models won't be available"; jaxpaged drops that line and nothing else."""
+    import logging
+
+    import jaxpaged  # noqa: F401  (installs the filter)
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        logger.warning("PyTorch was not found. Models won't be available and only tokenizers, configuration "
+                       "and file/data utilities can be used.")
+        logger.warning("Some other advice")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["Some other advice"]
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_model(tmp_path / "nowhere")

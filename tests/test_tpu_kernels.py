@@ -168,11 +168,16 @@ def test_race_detector_catches_a_read_before_the_dma_wait():
         o_ref[...] = buf[...]
         copy.wait()
 
-    pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
-                   in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-                   scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
-                   interpret=pltpu.InterpretParams(detect_races=True))(jnp.ones((8, 128))).block_until_ready()
-    assert mosaic_interpret.races.races_found
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                          scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+                          interpret=pltpu.InterpretParams(detect_races=True))
+    try:
+        call(jnp.ones((8, 128))).block_until_ready()
+    except jax.errors.JaxRuntimeError as e:  # jax 0.12 raises at the race; 0.10 and 0.11 record it
+        assert "RACE DETECTED" in str(e)
+    else:
+        assert mosaic_interpret.races.races_found
 
 
 def to_jax_rpa_layout(k, v):
