@@ -24,8 +24,9 @@ def _quick_codegen_flags() -> str:
         major, minor = (int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return flags
-    # jaxlib 0.12's XLA:CPU has only the fusion emitters and aborts on the flag that turned them off.
-    return flags if (major, minor) >= (0, 12) else f"{flags} --xla_cpu_use_fusion_emitters=false"
+    # From jaxlib 0.11 XLA:CPU no longer knows the flag that turned its fusion emitters off, and
+    # an unknown flag aborts the process (every worker, before a test runs).
+    return flags if (major, minor) >= (0, 11) else f"{flags} --xla_cpu_use_fusion_emitters=false"
 
 
 QUICK_CODEGEN = _quick_codegen_flags()

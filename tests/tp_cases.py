@@ -70,8 +70,12 @@ class _Recording:
         return self.programs.forward(*args, **kwargs)
 
 
-def _abstract(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+def _abstract(x, mesh=None):
+    """An array's shape, dtype and sharding (re-expressed on ``mesh`` when given)."""
+    if not isinstance(x, jax.Array):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh is None else
+                                jax.sharding.NamedSharding(mesh, x.sharding.spec))
 
 
 def assert_same_outputs(outs, ref):
@@ -267,18 +271,27 @@ def test_tp3_step_lowers_to_the_platforms_kernel_per_shard(decode):
     cfg = LlamaConfig(vocab_size=384, hidden_size=96, intermediate_size=192, num_layers=2, num_heads=9,
                       num_kv_heads=3, head_dim=64)
     model = shard_model(Llama(cfg, attention_backend="auto", rngs=nnx.Rngs(0)), 3)
-    structure, params = jaxpaged.runner.split_model(model)
-    params = jax.tree.map(_abstract, params)
+    cpu_mesh = model.mesh
+    # For CUDA the mesh is 3 abstract GPUs in the same layout: inside the shard_map, jax 0.12
+    # asks the mesh's device for the GPU the Triton kernel is for (a CPU mesh has none), and
+    # jax 0.10 / 0.11 lower the same program from either. (Not compat.abstract_gpu: its
+    # one-device abstract mesh would clash with the "tp" one.)
+    gpus = jax.sharding.AbstractMesh(cpu_mesh.axis_sizes, cpu_mesh.axis_names, axis_types=cpu_mesh.axis_types,
+                                     abstract_device=jax.sharding.AbstractDevice(
+                                         device_kind="NVIDIA H100", num_cores=None, platform="cuda"))
     NB, block_size = 32, 16  # Mosaic takes whole sublane tiles (8 rows); BS = 4 is not
-    pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, block_size, cfg.head_dim), np.float32,
-                                sharding=sharding.pool_sharding(model.mesh))
     q, _, _, md = attention_args(decode)
-    args = (structure, params, KVPool(pool, pool), i32(q.shape[:1]), md,
-            i32(md.context_lens.shape))
-    # Not compat.abstract_gpu: its one-device abstract mesh would clash with the "tp" mesh.
     forward = jaxpaged.runner.StepPrograms().forward
-    lowered = {p: forward.trace(*args).lower(lowering_platforms=(p,)).as_text()
-               for p in ("tpu", "cuda", "cpu")}
+    lowered = {}
+    for platform in ("tpu", "cuda", "cpu"):
+        mesh = gpus if platform == "cuda" else cpu_mesh
+        model.mesh = mesh
+        structure, params = jaxpaged.runner.split_model(model)
+        params = jax.tree.map(lambda x: _abstract(x, mesh), params)
+        pool = jax.ShapeDtypeStruct((cfg.num_layers, NB, cfg.num_kv_heads, block_size, cfg.head_dim), np.float32,
+                                    sharding=sharding.pool_sharding(mesh))
+        args = (structure, params, KVPool(pool, pool), i32(q.shape[:1]), md, i32(md.context_lens.shape))
+        lowered[platform] = forward.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert {p: kernels_in(h) for p, h in lowered.items()} == {"tpu": {"mosaic"}, "cuda": {"triton"}, "cpu": set()}
     shard_view = f"tensor<{cfg.num_layers * NB}x1x{block_size}x{cfg.head_dim}xf32>"  # [L * NB, KVH / 3, BS, D]
     for platform, marker in (("tpu", MOSAIC), ("cuda", TRITON)):
