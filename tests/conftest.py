@@ -21,12 +21,12 @@ def _quick_codegen_flags() -> str:
 
     flags = "--xla_backend_optimization_level=0"
     try:
-        major, minor = (int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+        version = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:3])
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return flags
-    # From jaxlib 0.11 XLA:CPU no longer knows the flag that turned its fusion emitters off, and
-    # an unknown flag aborts the process (every worker, before a test runs).
-    return flags if (major, minor) >= (0, 11) else f"{flags} --xla_cpu_use_fusion_emitters=false"
+    # From jaxlib 0.11.1 XLA:CPU no longer knows the flag that turned its fusion emitters off,
+    # and an unknown flag aborts the process (every worker, before a test runs).
+    return flags if version >= (0, 11, 1) else f"{flags} --xla_cpu_use_fusion_emitters=false"
 
 
 QUICK_CODEGEN = _quick_codegen_flags()
