@@ -8,11 +8,12 @@ are ignored, as OpenAI and vLLM do. Types are checked strictly by pydantic, valu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -72,7 +73,7 @@ class OpenAIRequest(BaseModel):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises ``APIError`` (400) with SamplingParams' message for an invalid value."""
         bias = None
         if self.logit_bias is not None:
@@ -89,7 +90,7 @@ class OpenAIRequest(BaseModel):
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs, use_beam_search=self.use_beam_search,
+                prompt_logprobs=prompt_logprobs, use_beam_search=self.use_beam_search,
                 length_penalty=self.length_penalty, cache_salt=self.cache_salt,
                 skip_special_tokens=self.skip_special_tokens, **given)
         except (ValueError, TypeError) as e:
@@ -101,7 +102,15 @@ class OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(OpenAIRequest):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``.
+
+    ``echo`` returns each prompt before its completion, as vLLM does: the text is the prompt's
+    (a prompt of token ids decoded) followed by the completion's, and with ``logprobs`` the
+    prompt's tokens lead the logprobs object, the first with ``None`` (nothing precedes it).
+    ``prompt_logprobs`` defaults to ``logprobs`` then. ``max_tokens = 0`` with ``echo`` scores
+    the prompt alone (how lm-evaluation-harness asks for log-likelihoods): one token is sampled
+    and dropped, the choice is the prompt and ``completion_tokens`` counts nothing.
+    """
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -109,11 +118,18 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     suffix: str | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens = 0``: the prompt, scored, and no completion."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        for name in ("echo", "suffix"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
-        return self._params(self.max_tokens, self.logprobs)
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -160,7 +176,7 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
 
     def conversation(self) -> list[dict[str, str]]:
         return [m.as_template_dict() for m in self.messages]
@@ -171,21 +187,40 @@ class ChatCompletionRequest(OpenAIRequest):
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # the engine's are OpenAI's
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+def usage(outputs: list[RequestOutput], *, echo_only: bool = False) -> dict[str, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = 0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_logprobs(c: CompletionOutput, start: int = 0, text_offset: int = 0) -> dict[str, list]:
-    """The legacy completions ``logprobs`` object of tokens ``start:``; offsets from ``text_offset``."""
+def echo_text(out: RequestOutput, decode: Callable[[list[int]], str]) -> str:
+    """The text ``echo`` returns for ``out``'s prompt: as given, or its token ids decoded."""
+    return out.prompt if out.prompt is not None else decode(out.prompt_token_ids)
+
+
+def completion_logprobs(c: CompletionOutput | None, start: int = 0, text_offset: int = 0, *,
+                        echo: RequestOutput | None = None,
+                        decode: Callable[[list[int]], str] | None = None) -> dict[str, list]:
+    """The legacy completions ``logprobs`` object of ``c``'s tokens ``start:`` (none when ``c``
+    is None), offsets from ``text_offset``; with ``echo``, its prompt's tokens first (their
+    ``prompt_logprobs``; the first token, which nothing scores, has ``None`` and its text from
+    ``decode``), as vLLM returns them."""
+    pairs: list[tuple[int, PositionLogprobs | None]] = []
+    if echo is not None:
+        pairs += zip(echo.prompt_token_ids, echo.prompt_logprobs or [None] * len(echo.prompt_token_ids))
+    if c is not None:
+        pairs += zip(c.token_ids[start:], c.logprobs[start:])
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = text_offset
-    for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-        lp = entry[tid]
-        tokens.append(lp.decoded_token or "")
-        token_logprobs.append(lp.logprob)
-        top.append({(e.decoded_token or ""): e.logprob for e in sorted(entry.values(), key=lambda e: e.rank)})
+    for tid, entry in pairs:
+        if entry is None:
+            tokens.append(decode([tid]) if decode is not None else "")
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            tokens.append(entry[tid].decoded_token or "")
+            token_logprobs.append(entry[tid].logprob)
+            top.append({(e.decoded_token or ""): e.logprob for e in sorted(entry.values(), key=lambda e: e.rank)})
         offsets.append(offset)
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -205,16 +240,32 @@ def chat_logprobs(c: CompletionOutput, num_top: int, start: int = 0) -> dict[str
     return {"content": content}
 
 
-def completion_response(request_id: str, model: str, outputs: list[RequestOutput], req: CompletionRequest) -> dict:
+def prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt position ``None`` (the first) or ``{token id:
+    {"logprob", "rank", "decoded_token"}}``; None where the request did not ask for them."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token} for t, e in entry.items()}
+            for entry in out.prompt_logprobs]
+
+
+def completion_response(request_id: str, model: str, outputs: list[RequestOutput], req: CompletionRequest,
+                        decode: Callable[[list[int]], str]) -> dict:
+    """The ``text_completion`` body; ``decode`` turns token ids into text (``echo``)."""
     choices = []
     for i, o in enumerate(outputs):
+        prompt = echo_text(o, decode) if req.echo else ""
         for c in o.outputs:
+            shown = None if req.echo_only else c
             choices.append({
-                "index": i * req.n + c.index, "text": c.text,
-                "logprobs": completion_logprobs(c) if req.logprobs is not None else None,
-                "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason})
+                "index": i * req.n + c.index, "text": prompt + (shown.text if shown is not None else ""),
+                "logprobs": (completion_logprobs(shown, echo=o if req.echo else None, decode=decode)
+                             if req.logprobs is not None else None),
+                "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason,
+                **({"prompt_logprobs": prompt_logprobs(o)} if o.prompt_logprobs is not None else {})})
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outputs)}
+            "choices": choices, "usage": usage(outputs, echo_only=req.echo_only)}
 
 
 def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatCompletionRequest) -> dict:
@@ -223,8 +274,11 @@ def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatComp
         "logprobs": chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
         "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason,
     } for c in out.outputs]
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+    body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage([out])}
+    if out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(out)
+    return body
 
 
 def chunk(request_id: str, model: str, kind: Literal["completion", "chat"], choices: list[dict],

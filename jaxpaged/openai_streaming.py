@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chunk,
-                                      completion_logprobs, usage)
+                                      completion_logprobs, echo_text, usage)
 from jaxpaged.outputs import RequestOutput
 
 
@@ -91,22 +91,41 @@ async def _events(engine: AsyncLLM, streams: list[RequestStream], make_chunks, f
 
 
 def completion_events(engine, rid: str, model: str, streams, body: CompletionRequest,
-                       stop: list[str]) -> AsyncIterator[str]:
+                      stop: list[str], decode) -> AsyncIterator[str]:
+    """With ``echo``, a choice's first chunk leads with its prompt's text (and logprobs); with
+    ``echo`` and ``max_tokens = 0`` that chunk, sent when the request finishes, is all of it."""
     deltas = _Deltas(stop)
+    echoed: set[int] = set()
+    offsets: dict[int, int] = {}  # where each choice's next logprob token's text_offset starts
 
     def make_chunks(i: int, out: RequestOutput):
         for c in out.outputs:
             index = i * body.n + c.index
-            d = deltas.next(index, c.text, len(c.token_ids), c.finish_reason is not None)
+            finished = c.finish_reason is not None
+            if body.echo_only:
+                d = deltas.next(index, "", 0, finished)
+            else:
+                d = deltas.next(index, c.text, len(c.token_ids), finished)
             if d is None:
                 continue
             text, first = d
+            echo = body.echo and index not in echoed
+            if echo:
+                echoed.add(index)
+                text = echo_text(out, decode) + text
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(None if body.echo_only else c, first, offsets.get(index, 0),
+                                               echo=out if echo else None, decode=decode)
+                if logprobs["tokens"]:  # offsets run on as in the whole response's logprobs
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             yield chunk(rid, model, "completion", [{
-                "index": index, "text": text,
-                "logprobs": completion_logprobs(c, first) if body.logprobs is not None else None,
+                "index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
 
-    final = (lambda outs: chunk(rid, model, "completion", [], usage(outs))) if body.include_usage else None
+    final = None
+    if body.include_usage:
+        final = lambda outs: chunk(rid, model, "completion", [], usage(outs, echo_only=body.echo_only))  # noqa: E731
     return _events(engine, streams, make_chunks, final)
 
 

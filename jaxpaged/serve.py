@@ -106,6 +106,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             raise APIError(400, "stream is not supported with use_beam_search", param="stream")
         return params
 
+    def decode(token_ids: list[int]) -> str:
+        tok = engine.tokenizer
+        return tok.decode(token_ids) if tok is not None else ""
+
     def add(prompts: list, params, request_id: str) -> list[RequestStream]:
         """Queue every prompt, or none (a bad one aborts those queued before it)."""
         streams: list[RequestStream] = []
@@ -146,8 +150,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = add(body.prompts(), params, rid)
-        events = completion_events(engine, rid, model, streams, body, params.stop) if body.stream else None
-        return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body))
+        events = completion_events(engine, rid, model, streams, body, params.stop, decode) if body.stream else None
+        return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

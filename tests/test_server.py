@@ -247,6 +247,88 @@ def test_completion_logprobs(client):
     assert streamed == lp.tokens
 
 
+def _echo_lp(ch) -> dict:
+    lp = ch.logprobs
+    return dict(tokens=lp.tokens, token_logprobs=lp.token_logprobs, top_logprobs=lp.top_logprobs,
+                text_offset=lp.text_offset)
+
+
+def test_echo_scores_prompts_as_the_offline_llm_does(client, offline):
+    """lm-evaluation-harness's log-likelihood request (``echo``, ``max_tokens`` 0, ``logprobs``): each
+    choice is its prompt with the offline engine's prompt logprobs, and nothing is generated."""
+    expected = offline.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                                use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], echo=True, max_tokens=0, logprobs=2)
+    assert r.usage.completion_tokens == 0
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    for c, o in zip(r.choices, expected):
+        assert (c.text, c.finish_reason) == (o.prompt, "length")
+        lp, ids = _echo_lp(c), o.prompt_token_ids
+        assert len(lp["tokens"]) == len(lp["text_offset"]) == len(ids)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing scores the first
+        want = [e[t] for t, e in zip(ids[1:], o.prompt_logprobs[1:])]
+        assert lp["tokens"][1:] == [w.decoded_token for w in want]
+        assert lp["token_logprobs"][1:] == pytest.approx([w.logprob for w in want], abs=1e-5)
+        assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+
+
+def test_prompt_logprobs_come_back_as_vllm_returns_them(http, offline):
+    ids = offline.tokenizer.encode(PROMPTS[2])
+    o = offline.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    want = [None] + [{str(t): {"logprob": pytest.approx(e.logprob, abs=1e-5), "rank": e.rank,
+                               "decoded_token": e.decoded_token} for t, e in entry.items()}
+                     for entry in o.prompt_logprobs[1:]]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    c = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["prompt_logprobs"] == want and len(want) == len(ids)
+    plain = http.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                   "prompt_logprobs": 0}).json()
+    lps = chat["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in lps[1:])
+
+
+def test_echo_scores_a_greedy_continuation_as_it_was_generated(client, offline, srv):
+    """Scoring prompt + continuation (token ids, echoed) gives the continuation the logprobs its
+    decode steps gave it: prompt scoring and decoding agree. With ``max_tokens`` > 0 the choice is
+    the prompt, then the completion, and the logprobs run on from the prompt's."""
+    prompt = srv.llm.tokenizer.encode(PROMPTS[1])
+    gen = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    scored = client.completions.create(model=MODEL, prompt=prompt + gen.token_ids, echo=True, max_tokens=0,
+                                       logprobs=0).choices[0]
+    assert scored.text == srv.llm.tokenizer.decode(prompt + gen.token_ids)
+    lp = _echo_lp(scored)
+    assert lp["token_logprobs"][len(prompt):] == pytest.approx(
+        [e[t].logprob for t, e in zip(gen.token_ids, gen.logprobs)], abs=1e-4)
+    c = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=6, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True}).choices[0]
+    assert c.text == srv.llm.tokenizer.decode(prompt) + gen.text
+    assert _echo_lp(c)["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+    samples = client.completions.create(model=MODEL, prompt=PROMPTS[1], echo=True, n=2, temperature=0.8, seed=1,
+                                        max_tokens=4).choices
+    assert sorted(x.index for x in samples) == [0, 1] and all(x.text.startswith(PROMPTS[1]) for x in samples)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 6])
+def test_streamed_echo_equals_the_whole_response(client, max_tokens):
+    kw = dict(prompt=PROMPTS[0], echo=True, max_tokens=max_tokens, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(model=MODEL, **kw)
+    texts, finish, usage = _stream_completion(client, **kw)
+    assert texts == {0: whole.choices[0].text} and texts[0].startswith(PROMPTS[0])
+    assert finish == {0: "length"} and usage.model_dump() == whole.usage.model_dump()
+    assert usage.completion_tokens == max_tokens
+    chunks = [x.logprobs for ch in client.completions.create(model=MODEL, stream=True, **kw) for x in ch.choices
+              if x.logprobs]
+    assert [t for x in chunks for t in x.tokens] == whole.choices[0].logprobs.tokens
+    assert [t for x in chunks for t in x.token_logprobs] == whole.choices[0].logprobs.token_logprobs
+    assert [t for x in chunks for t in x.text_offset] == whole.choices[0].logprobs.text_offset
+
+
 def test_chat_logprobs(client):
     c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
@@ -335,6 +417,7 @@ BAD = [  # (path, body, status, message pattern, param)
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, r"logprobs must be in \[0, 20\], got 21", "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "use_beam_search": True, "temperature": 0}, 400,
      r"stream is not supported with use_beam_search", "stream"),
+    ("/v1/completions", {"prompt": "hi", "suffix": " world"}, 400, r"suffix is not supported", "suffix"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist", "model"),
     ("/v1/chat/completions", {"messages": []}, 400, r"messages: .*at least 1", "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, r"top_logprobs needs logprobs=true",
