@@ -182,6 +182,35 @@ class ChatCompletionRequest(OpenAIRequest):
         return [m.as_template_dict() for m in self.messages]
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (tokenized as ``/v1/completions`` would, with
+    ``add_special_tokens``) or chat ``messages`` (through the chat template, as
+    ``/v1/chat/completions`` would)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt" if self.prompt is None else "messages",
+                           code="invalid_value")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ---------------------------------------------------------------------------
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # the engine's are OpenAI's

@@ -2,7 +2,8 @@
 
 FastAPI + uvicorn over an :class:`~jaxpaged.async_engine.AsyncLLM`:
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with
-``"stream": true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus).
+``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus) and
+vLLM's ``POST /tokenize`` and ``POST /detokenize``.
 A client that disconnects aborts its requests at once, freeing their blocks.
 
     jaxpaged-serve --port 8000 --max-num-seqs 64
@@ -27,8 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_response,
-                                      completion_response, invalid)
+from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      TokenizeRequest, chat_response, completion_response, invalid)
 from jaxpaged.openai_streaming import chat_events, completion_events
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.server_metrics import Metrics
@@ -153,21 +154,52 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         events = completion_events(engine, rid, model, streams, body, params.stop, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        params = checked_params(body)
+    def chat_token_ids(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         tok = engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            ids = engine.llm.apply_chat_template(body.conversation(), body.add_generation_prompt)
+            return engine.llm.apply_chat_template(messages, add_generation_prompt)
         except Exception as e:  # the template's own check (e.g. roles that must alternate)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+    def tokenizer():
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", code="unsupported_value")
+        return engine.tokenizer
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        params = checked_params(body)
+        ids = chat_token_ids(body.conversation(), body.add_generation_prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = add([{"prompt_token_ids": ids}], params, rid)
         events = chat_events(engine, rid, model, streams[0], body, params.stop) if body.stream else None
         return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the token ids the generation endpoints would run for this prompt or chat."""
+        check_model(body.model)
+        body.check()
+        tok = tokenizer()
+        if body.messages is not None:
+            ids = chat_token_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        tok = tokenizer()
+        bad = [t for t in body.tokens if not 0 <= t < engine.llm.inputs.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {engine.llm.inputs.vocab_size})",
+                           param="tokens", code="invalid_value")
+        return {"prompt": tok.decode(body.tokens)}
 
     @app.get("/v1/models")
     async def models():

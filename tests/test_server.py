@@ -329,6 +329,19 @@ def test_streamed_echo_equals_the_whole_response(client, max_tokens):
     assert [t for x in chunks for t in x.text_offset] == whole.choices[0].logprobs.text_offset
 
 
+def test_tokenize_gives_the_ids_the_endpoints_run(http, client, offline):
+    tok = offline.tokenizer
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[4], "return_token_strs": True}).json()
+    assert r["tokens"] == tok(PROMPTS[4], add_special_tokens=True)["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == offline.max_model_len and r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    used = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=1).usage.prompt_tokens
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    assert used == r["count"] and chat["token_strs"] is None
+    assert chat["count"] == client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage.prompt_tokens
+    bare = http.post("/tokenize", json={"prompt": PROMPTS[4], "add_special_tokens": False}).json()["tokens"]
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": bare}).json() == {"prompt": PROMPTS[4]}
+
+
 def test_chat_logprobs(client):
     c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
@@ -424,6 +437,11 @@ BAD = [  # (path, body, status, message pattern, param)
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      r"only text content parts are supported", "messages"),
+    ("/tokenize", {"prompt": "hi", "messages": CHAT}, 400, r"give either prompt or messages", "messages"),
+    ("/tokenize", {}, 400, r"give either prompt or messages", "prompt"),
+    ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist", "model"),
+    ("/detokenize", {"tokens": [1, 99999999]}, 400, r"tokens \[99999999\] are outside the vocabulary", "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, r"tokens: .*valid list", "tokens"),
     ("/v1/nowhere", {}, 404, r"Not Found", None),
 ]
 
