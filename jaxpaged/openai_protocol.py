@@ -72,9 +72,26 @@ class OpenAIRequest(BaseModel):
     cache_salt: str | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    # Structured output (OpenAI's and vLLM's): not implemented, so refused by name rather than ignored.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    def _check_unsupported(self) -> None:
+        rf = self.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise APIError(400, f"response_format {rf!r} is not supported: this server has no structured output "
+                           "(only {'type': 'text'})", param="response_format", code="unsupported_value")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported: this server has no structured output", param=name,
+                               code="unsupported_value")
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises ``APIError`` (400) with SamplingParams' message for an invalid value."""
+        self._check_unsupported()
         bias = None
         if self.logit_bias is not None:
             try:
@@ -171,8 +188,13 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: Any = None
+    tool_choice: Any = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.tools and self.tool_choice != "none":
+            raise APIError(400, "tool calling is not supported: send tool_choice 'none' or no tools",
+                           param="tool_choice" if self.tool_choice is not None else "tools", code="unsupported_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -342,6 +342,14 @@ def test_tokenize_gives_the_ids_the_endpoints_run(http, client, offline):
     assert http.post("/detokenize", json={"model": MODEL, "tokens": bare}).json() == {"prompt": PROMPTS[4]}
 
 
+def test_plain_text_format_and_tools_left_unused_are_served(client):
+    """What asks for no structured output or tool call is served as it is (the refusals: ``BAD``)."""
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, response_format={"type": "text"},
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                       tool_choice="none")
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+
+
 def test_chat_logprobs(client):
     c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
@@ -442,6 +450,14 @@ BAD = [  # (path, body, status, message pattern, param)
     ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist", "model"),
     ("/detokenize", {"tokens": [1, 99999999]}, 400, r"tokens \[99999999\] are outside the vocabulary", "tokens"),
     ("/detokenize", {"tokens": "1 2"}, 400, r"tokens: .*valid list", "tokens"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     r"response_format .* not supported: this server has no structured output", "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "guided_choice": ["yes", "no"]}, 400,
+     r"guided_choice is not supported", "guided_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     r"tool calling is not supported", "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}], "tool_choice": "auto"}, 400,
+     r"tool calling is not supported", "tool_choice"),
     ("/v1/nowhere", {}, 404, r"Not Found", None),
 ]
 
