@@ -12,10 +12,11 @@ import copy
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, *, skip_special_tokens: bool, stop: list[str]):
+    def __init__(self, tokenizer, *, skip_special_tokens: bool, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""
         self.prefix_offset = 0
@@ -32,7 +33,9 @@ class Detokenizer:
     def add(self, token_id: int) -> str | None:
         """Append a token; return the stop string it completed, if any.
 
-        On a stop string the text is truncated before it (vLLM's default).
+        On a stop string the text is truncated before it (vLLM's default). Stop strings
+        count only once ``min_tokens`` tokens are out, as in ``check_stop``: a match before
+        that neither truncates the text nor stops the sequence.
         """
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
@@ -44,6 +47,8 @@ class Detokenizer:
         self.text += new
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
+        if len(self.ids) < self.min_tokens:
+            return None
         for s in self.stop:
             # Only a match that ends in the new text: earlier text was already checked.
             i = self.text.find(s, max(0, start - len(s) + 1))

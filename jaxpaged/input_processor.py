@@ -36,6 +36,16 @@ def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: Sa
     return [(p, sampling_params or SamplingParams()) for p in prompts]
 
 
+def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    """``text``'s token ids; a ValueError for text that is not valid Unicode (a lone surrogate,
+    which JSON can carry), where the tokenizer would raise an unhelpful TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt is not valid Unicode: {e.reason} at position {e.start}") from None
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 class InputProcessor:
     """Tokenizes and validates prompts; hands out request ids and per-request seeds.
 
@@ -72,7 +82,7 @@ class InputProcessor:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token ids")
-            return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            return prompt, encode(self.tokenizer, prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in prompt]
             if not ids:
@@ -115,5 +125,5 @@ class InputProcessor:
         req = Request(request_id, text, ids, params, time.monotonic(), seed, beam)
         if self.tokenizer is not None:
             req.seqs[0].detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                            stop=params.stop)
+                                            stop=params.stop, min_tokens=params.min_tokens)
         return req

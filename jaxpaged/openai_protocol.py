@@ -94,12 +94,13 @@ class OpenAIRequest(BaseModel):
         self._check_unsupported()
         bias = None
         if self.logit_bias is not None:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                bad = next(k for k in self.logit_bias if not k.lstrip("-").isdigit())
-                raise APIError(400, f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias",
-                               code="invalid_value") from None
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise APIError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias",
+                                   code="invalid_value") from None
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                  if getattr(self, k) is not None}
         try:

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxpaged.input_processor import encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, chat_response, completion_response, invalid)
 from jaxpaged.openai_streaming import chat_events, completion_events
@@ -187,7 +188,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         if body.messages is not None:
             ids = chat_token_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
         else:
-            ids = tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            try:
+                ids = encode(tok, body.prompt, add_special_tokens=body.add_special_tokens)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt", code="invalid_value") from None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 

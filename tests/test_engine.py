@@ -156,6 +156,14 @@ def test_stop_conditions(tiny_engine_model, reference):
     eos = SamplingParams(temperature=0, max_tokens=10, min_tokens=4, logit_bias={2: 100.0})
     o = llm.generate(PROMPTS[1], eos, use_tqdm=False)[0].outputs[0]
     assert len(o.token_ids) == 5 and o.token_ids[-1] == 2 and o.finish_reason == "stop"
+    # A stop string counts only from min_tokens on, like EOS: a match before that leaves the text whole.
+    # The bias forces "ab" (one token) every step: "ab|ab" holds "ba" from the second token on.
+    ab = llm.tokenizer.encode("ab", add_special_tokens=False)
+    assert len(ab) == 1
+    for min_tokens, text, n in ((0, "a", 2), (4, "ababa", 4), (7, "abababababa", 7)):
+        p = SamplingParams(temperature=0, max_tokens=10, min_tokens=min_tokens, logit_bias={ab[0]: 100.0}, stop=["ba"])
+        o = llm.generate(PROMPTS[1], p, use_tqdm=False)[0].outputs[0]
+        assert (o.text, len(o.token_ids), o.finish_reason, o.stop_reason) == (text, n, "stop", "ba"), min_tokens
     assert_no_leak(llm)
 
 

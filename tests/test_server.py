@@ -218,7 +218,7 @@ def test_raw_http_sse_and_json(http):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_strings(client, stream):
+def test_stop_strings(client, offline, stream):
     base = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     k = len(base) // 2
@@ -231,6 +231,17 @@ def test_stop_strings(client, stream):
     else:
         c = client.completions.create(model=MODEL, **kw).choices[0]
         assert (c.text, c.finish_reason, c.stop_reason) == (expected, "stop", stop)
+    # Under min_tokens a match neither stops nor cuts the text: "ab" (one token) is forced every step, so "ba"
+    # is there from the second token on but counts only from the fourth.
+    ab = offline.tokenizer.encode("ab", add_special_tokens=False)[0]
+    kw = dict(prompt=PROMPTS[3], max_tokens=10, temperature=0, stop=["ba"], logit_bias={str(ab): 100},
+              extra_body={"min_tokens": 4})
+    if stream:
+        texts, finish, usage = _stream_completion(client, **kw)
+        assert (texts[0], finish[0], usage.completion_tokens) == ("ababa", "stop", 4)
+    else:
+        r = client.completions.create(model=MODEL, **kw)
+        assert (r.choices[0].text, r.choices[0].stop_reason, r.usage.completion_tokens) == ("ababa", "ba", 4)
 
 
 def test_completion_logprobs(client):
@@ -435,6 +446,10 @@ BAD = [  # (path, body, status, message pattern, param)
      r"logit_bias token ids \[99999999\] are outside the vocabulary \[0, 49152\)", "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 5}}, 400, r"logit_bias keys must be token ids",
      "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1, "--5": 5}}, 400,
+     r"logit_bias keys must be token ids, got '--5'", "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"\u00b2": 5}}, 400,
+     r"logit_bias keys must be token ids, got '\u00b2'", "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, r"logprobs must be in \[0, 20\], got 21", "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "use_beam_search": True, "temperature": 0}, 400,
      r"stream is not supported with use_beam_search", "stream"),
@@ -447,6 +462,9 @@ BAD = [  # (path, body, status, message pattern, param)
      r"only text content parts are supported", "messages"),
     ("/tokenize", {"prompt": "hi", "messages": CHAT}, 400, r"give either prompt or messages", "messages"),
     ("/tokenize", {}, 400, r"give either prompt or messages", "prompt"),
+    ("/tokenize", b'{"prompt": "a\\ud800"}', 400, r"prompt is not valid Unicode: surrogates not allowed at position 1",
+     "prompt"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, r"prompt is not valid Unicode", "prompt"),
     ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist", "model"),
     ("/detokenize", {"tokens": [1, 99999999]}, 400, r"tokens \[99999999\] are outside the vocabulary", "tokens"),
     ("/detokenize", {"tokens": "1 2"}, 400, r"tokens: .*valid list", "tokens"),
