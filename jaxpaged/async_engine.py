@@ -1,11 +1,13 @@
 """``AsyncLLM``: the engine core stepped by its own thread, for servers (vLLM's ``AsyncLLM``).
 
-An asyncio caller validates a request on its own thread (so a bad request raises at once
-and never reaches the engine), then hands it over through a locked queue; the engine
-thread admits queued requests and applies aborts between steps, steps while anything is
-unfinished, and sleeps on a condition variable when idle. After each step it makes the
-changed requests' outputs (on the engine thread, which alone touches request state) and
-passes them to the callers' event loops with ``call_soon_threadsafe``.
+A request is tokenized and validated before the engine sees it (so a bad request raises at
+once and never reaches the engine), on the caller's thread or, for ``add_requests`` (the
+server's), on a tokenizer thread that keeps long prompts and chat templates off the event
+loop; it is then handed over through a locked queue. The engine thread admits queued
+requests and applies aborts between steps, steps while anything is unfinished, and sleeps
+on a condition variable when idle. After each step it makes the changed requests' outputs
+(on the engine thread, which alone touches request state) and passes them to the callers'
+event loops with ``call_soon_threadsafe``.
 
 Outputs are cumulative, so a request's stream keeps only the latest: a slow consumer
 never makes a backlog, and each output goes to the one stream registered under its id.
@@ -14,11 +16,13 @@ never makes a backlog, and each output goes to the one stream registered under i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from jaxpaged.engine import LLM
 from jaxpaged.input_processor import PromptType
@@ -27,6 +31,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineOverloadedError(RuntimeError):
@@ -156,6 +161,10 @@ class AsyncLLM:
         self._stats = SchedulerStats(num_blocks=llm.bm.stats().num_blocks)
         self._stopping = False
         self._error: BaseException | None = None
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer")
+        # The waiting count goes out once a step is dispatched, not only after it: the
+        # requests that step admitted no longer count against max_waiting_requests.
+        llm.core.on_dispatch = self._publish_queue_lengths
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
 
@@ -174,7 +183,8 @@ class AsyncLLM:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
                     request_id: str | None = None) -> RequestStream:
         """Validate and queue a request; returns the stream of its outputs. Call it on the
-        event loop that will read the stream.
+        event loop that will read the stream. It tokenizes on the caller's thread: a server
+        uses ``add_requests``, which does not.
 
         Raises:
           ValueError, TypeError: the request is invalid (nothing is queued).
@@ -182,23 +192,61 @@ class AsyncLLM:
           EngineDeadError: the engine is shut down.
         """
         loop = asyncio.get_running_loop()
+        self._check_room()
+        # Tokenizing and validating outside the lock never stalls the engine thread.
+        return self._hand_over([self.llm.inputs.process(prompt, params, request_id, self._streams)], loop)[0]
+
+    async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
+                           request_ids: list[str]) -> list[RequestStream]:
+        """``add_request`` for a batch of prompts, all queued or none: the batch is admitted
+        whole when fewer than ``max_waiting_requests`` requests wait as it arrives, and its
+        prompts are tokenized on the tokenizer thread, so a long prompt never stalls the
+        event loop (other requests' streams) or the engine thread.
+
+        Raises: as ``add_request``.
+        """
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
+        loop = asyncio.get_running_loop()
+        self._check_room()
+
+        def process():
+            return [self.llm.inputs.process(p, params, rid, self._streams) for p, rid in zip(prompts, request_ids)]
+
+        return self._hand_over(await self.run_on_tokenizer_thread(process), loop)
+
+    async def run_on_tokenizer_thread(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the one thread that tokenizes requests (chat templates,
+        ``/tokenize``), off the event loop; one thread, since a tokenizer is not safe to
+        share between concurrent calls."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+        except RuntimeError:  # the executor is shut down
+            if self._stopping:
+                raise EngineDeadError("the engine is shut down") from None
+            raise
+
+    def _check_room(self) -> None:
         with self._cond:
             self._check_alive()
             waiting = self._stats.num_waiting + len(self._adds)
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise EngineOverloadedError(f"the engine is overloaded: {waiting} requests waiting, "
                                             f"max_waiting_requests is {self.max_waiting_requests}; retry later")
-        # Tokenizing and validating outside the lock never stalls the engine thread.
-        req = self.llm.inputs.process(prompt, params, request_id, self._streams)
+
+    def _hand_over(self, reqs: list[Request], loop: asyncio.AbstractEventLoop) -> list[RequestStream]:
+        """Register a stream for each validated request and queue them for the engine thread."""
         with self._cond:
             self._check_alive()
-            if req.request_id in self._streams:  # taken by another thread meanwhile
-                raise ValueError(f"request id {req.request_id!r} is already in use")
-            stream = RequestStream(self, req.request_id, loop)
-            self._streams[req.request_id] = stream
-            self._adds.append((req, stream))
+            for req in reqs:
+                if req.request_id in self._streams:  # taken by another caller meanwhile
+                    raise ValueError(f"request id {req.request_id!r} is already in use")
+            streams = [RequestStream(self, req.request_id, loop) for req in reqs]
+            for req, stream in zip(reqs, streams):
+                self._streams[req.request_id] = stream
+                self._adds.append((req, stream))
             self._cond.notify()
-        return stream
+        return streams
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -226,6 +274,7 @@ class AsyncLLM:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._tokenizer_thread.shutdown(wait=False)  # what it has queued runs, then meets EngineDeadError
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -265,6 +314,12 @@ class AsyncLLM:
             self._error = e
         finally:
             self._stop()
+
+    def _publish_queue_lengths(self) -> None:
+        sched = self.llm.scheduler
+        with self._cond:
+            self._stats = dataclasses.replace(self._stats, num_running=len(sched.running) + len(sched.swapped),
+                                              num_waiting=len(sched.waiting))
 
     def _publish(self, changed: list[Request], *, error: BaseException | None = None) -> None:
         """Publish the stats and hand each changed request's output to its stream."""
@@ -306,6 +361,7 @@ class AsyncLLM:
     def _stop(self) -> None:
         """Abort every request and end every stream (on the engine thread, at exit)."""
         core = self.llm.core
+        core.on_dispatch = None
         with self._cond:
             self._stopping = True
             adds, self._adds = self._adds, []

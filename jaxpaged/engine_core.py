@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from jaxpaged.scheduler import RunnerOutput, Scheduler, SchedulerOutput
@@ -70,6 +71,7 @@ class EngineCore:
         self.peak_kv_utilization = 0.0
         self.timers = Timers()
         self.last: SchedulerOutput | None = None  # the decision of the step last applied (benchmarks read it)
+        self.on_dispatch: Callable[[], None] | None = None  # called once a step is scheduled and dispatched
 
     def add(self, req: Request) -> None:
         """Queue a request that ``InputProcessor`` validated."""
@@ -95,6 +97,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.timers.schedule += time.perf_counter() - t0
         handle = self.runner.dispatch(out, prev) if out.scheduled or out.block_ops else None
+        if self.on_dispatch is not None:
+            self.on_dispatch()
         return _InFlight(out, handle, prev is not None)
 
     def step(self) -> list[Request]:

@@ -112,23 +112,14 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         tok = engine.tokenizer
         return tok.decode(token_ids) if tok is not None else ""
 
-    def add(prompts: list, params, request_id: str) -> list[RequestStream]:
-        """Queue every prompt, or none (a bad one aborts those queued before it)."""
-        streams: list[RequestStream] = []
+    async def add(prompts: list, params, request_id: str) -> list[RequestStream]:
+        """Queue every prompt, or none."""
         try:
-            for i, p in enumerate(prompts):
-                streams.append(engine.add_request(p, params, request_id=f"{request_id}-{i}"))
-        except BaseException as e:
-            for s in streams:
-                engine.abort(s.request_id)
-            if isinstance(e, (ValueError, TypeError)):
-                raise invalid(e) from None
-            if isinstance(e, EngineOverloadedError):
-                raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e), type="server_error", code="engine_dead") from None
-            raise
-        return streams
+            return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
+        except (ValueError, TypeError) as e:
+            raise invalid(e) from None
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
 
     async def respond(raw: Request, streams: list[RequestStream], events: AsyncIterator[str] | None, finish):
         """Stream ``events`` as SSE, or await the final outputs and return ``finish(outputs)``."""
@@ -151,16 +142,19 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         params = checked_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = served_model_name
-        streams = add(body.prompts(), params, rid)
+        streams = await add(body.prompts(), params, rid)
         events = completion_events(engine, rid, model, streams, body, params.stop, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
-    def chat_token_ids(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    async def chat_token_ids(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         tok = engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            return engine.llm.apply_chat_template(messages, add_generation_prompt)
+            return await engine.run_on_tokenizer_thread(engine.llm.apply_chat_template, messages,
+                                                        add_generation_prompt)
+        except EngineDeadError:
+            raise
         except Exception as e:  # the template's own check (e.g. roles that must alternate)
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -172,10 +166,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         params = checked_params(body)
-        ids = chat_token_ids(body.conversation(), body.add_generation_prompt)
+        ids = await chat_token_ids(body.conversation(), body.add_generation_prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = served_model_name
-        streams = add([{"prompt_token_ids": ids}], params, rid)
+        streams = await add([{"prompt_token_ids": ids}], params, rid)
         events = chat_events(engine, rid, model, streams[0], body, params.stop) if body.stream else None
         return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body))
 
@@ -186,10 +180,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         body.check()
         tok = tokenizer()
         if body.messages is not None:
-            ids = chat_token_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
+            ids = await chat_token_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
         else:
             try:
-                ids = encode(tok, body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = await engine.run_on_tokenizer_thread(
+                    lambda: encode(tok, body.prompt, add_special_tokens=body.add_special_tokens))
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt", code="invalid_value") from None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
@@ -203,7 +198,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         if bad:
             raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {engine.llm.inputs.vocab_size})",
                            param="tokens", code="invalid_value")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await engine.run_on_tokenizer_thread(tok.decode, body.tokens)}
 
     @app.get("/v1/models")
     async def models():

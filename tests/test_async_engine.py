@@ -1,6 +1,7 @@
 """AsyncLLM: the engine stepped by its own thread; asyncio callers add, read, abort and shut down."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -151,3 +152,76 @@ def test_shutdown_aborts_everything_and_frees_every_block(llm):
     with pytest.raises(EngineDeadError, match="shut down"):
         run(after())
     engine.shutdown()  # idempotent
+
+
+def test_a_batch_is_admitted_whole_and_tokenized_off_the_event_loop(tiny_engine_model):
+    llm = LLM(tiny_engine_model, max_num_seqs=1, num_blocks=128)
+    engine = AsyncLLM(llm, max_waiting_requests=1)
+    tokenize, threads = llm.inputs.tokenizer, set()
+
+    class Gated:  # tokenizes only once the event loop has run a coroutine meanwhile
+        def __getattr__(self, name):
+            return getattr(tokenize, name)
+
+        def __call__(self, *args, **kw):
+            threads.add(threading.current_thread().name)
+            assert loop_ran.wait(30), "the event loop was blocked while a prompt was tokenized"
+            return tokenize(*args, **kw)
+
+    loop_ran = threading.Event()
+    llm.inputs.tokenizer = Gated()
+    try:
+        async def main():
+            async def tick():
+                await asyncio.sleep(0.05)
+                loop_ran.set()
+
+            ticker = asyncio.ensure_future(tick())
+            # Three prompts with room for one waiting request: the batch goes in whole.
+            streams = await engine.add_requests(PROMPTS[:3], GREEDY, ["a", "b", "c"])
+            await ticker
+            with pytest.raises(EngineOverloadedError):  # two of the batch still wait
+                await engine.add_requests(PROMPTS[3:], GREEDY, ["d"])
+            finals = [[o async for o in s][-1] for s in streams]
+            with pytest.raises(ValueError, match="prompt is empty"):  # all or none: "e" is not queued
+                await engine.add_requests([PROMPTS[0], ""], GREEDY, ["e", "f"])
+            return finals
+
+        finals = run(main())
+        assert [o.request_id for o in finals] == ["a", "b", "c"] and all(o.finished for o in finals)
+        assert [len(o.outputs[0].token_ids) for o in finals] == [GREEDY.max_tokens] * 3
+        assert threads == {"jaxpaged-tokenizer_0"} and "e" not in llm.core.requests
+    finally:
+        engine.shutdown()
+        llm.inputs.tokenizer = tokenize
+
+
+def test_requests_a_running_step_admitted_no_longer_count_as_waiting(tiny_engine_model):
+    # The queue bound must see the admissions as soon as a step is dispatched, not only
+    # after its (possibly long) run: hold the step in collect and add one more request.
+    llm = LLM(tiny_engine_model, max_num_seqs=4, num_blocks=128)
+    engine = AsyncLLM(llm, max_waiting_requests=2)
+    collect, release = llm.runner.collect, threading.Event()
+
+    def held(step):
+        assert release.wait(30)
+        return collect(step)
+
+    llm.runner.collect = held
+    try:
+        async def main():
+            streams = await engine.add_requests(PROMPTS[:2], GREEDY, ["a", "b"])  # handed over together
+            for _ in range(500):
+                if engine.stats.num_running == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert (engine.stats.num_running, engine.stats.num_waiting) == (2, 0)
+            streams.append(engine.add_request(PROMPTS[2], GREEDY))  # was refused: 2 counted as waiting
+            release.set()
+            return [[o async for o in s][-1] for s in streams]
+
+        assert all(o.finished for o in run(main()))
+    finally:
+        release.set()
+        engine.shutdown()
+        llm.runner.collect = collect

@@ -533,6 +533,26 @@ def test_full_waiting_queue_is_503(srv, client):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_a_batch_beyond_the_queue_bound_is_served_and_templates_run_off_the_event_loop(srv, client, monkeypatch):
+    # One completion of four prompts is admitted whole while the queue has room (it used to
+    # be refused: each prompt counted the ones before it as waiting).
+    monkeypatch.setattr(srv.engine, "max_waiting_requests", 1)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:4], max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 4 and r.usage.completion_tokens == 12
+    # Chat templates and tokenization run on the engine's tokenizer thread: a huge prompt
+    # never stalls the other streams.
+    threads, template = [], srv.engine.llm.apply_chat_template
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return template(*args)
+
+    monkeypatch.setattr(srv.engine.llm, "apply_chat_template", spy)
+    assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).usage.completion_tokens == 2
+    assert threads == ["jaxpaged-tokenizer_0"]
+
+
 def test_shutdown_ends_streams_and_leaves_nothing_running(tiny_engine_model):
     s = Running(LLM(tiny_engine_model, **ENGINE))
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
