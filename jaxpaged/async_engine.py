@@ -197,13 +197,15 @@ class AsyncLLM:
         return self._hand_over([self.llm.inputs.process(prompt, params, request_id, self._streams)], loop)[0]
 
     async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
-                           request_ids: list[str]) -> list[RequestStream]:
+                           request_ids: list[str], check: Callable[[Request], None] | None = None
+                           ) -> list[RequestStream]:
         """``add_request`` for a batch of prompts, all queued or none: the batch is admitted
         whole when fewer than ``max_waiting_requests`` requests wait as it arrives, and its
         prompts are tokenized on the tokenizer thread, so a long prompt never stalls the
-        event loop (other requests' streams) or the engine thread.
+        event loop (other requests' streams) or the engine thread. ``check``, if given, sees
+        each validated request there and may raise to refuse the batch.
 
-        Raises: as ``add_request``.
+        Raises: as ``add_request``, and what ``check`` raises.
         """
         if len(request_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
@@ -211,7 +213,10 @@ class AsyncLLM:
         self._check_room()
 
         def process():
-            return [self.llm.inputs.process(p, params, rid, self._streams) for p, rid in zip(prompts, request_ids)]
+            reqs = [self.llm.inputs.process(p, params, rid, self._streams) for p, rid in zip(prompts, request_ids)]
+            for req in reqs if check is not None else ():
+                check(req)
+            return reqs
 
         return self._hand_over(await self.run_on_tokenizer_thread(process), loop)
 

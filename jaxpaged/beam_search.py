@@ -34,7 +34,8 @@ class Candidate:
     cumulative_logprob: float  # the parent's plus ``logprob``
     entry: PositionLogprobs | None = None  # the logprobs to record for this position, if asked
     finish: tuple[FinishReason, int | str | None] | None = None  # set when appending the token ends it
-    text: str = ""  # the parent's text plus the token, cut before a stop string
+    text: str = ""  # the parent's text plus the token's (none for a stop token id), cut before a stop string
+    keeps_text: bool = True  # False for a stop token id or EOS: its text stays out of the output
 
 
 @dataclasses.dataclass

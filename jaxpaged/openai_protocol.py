@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -92,6 +92,12 @@ class OpenAIRequest(BaseModel):
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises ``APIError`` (400) with SamplingParams' message for an invalid value."""
         self._check_unsupported()
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given when stream is true", param="stream_options",
+                           code="invalid_value")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:
+            raise APIError(400, f"seed must be a 64-bit signed integer, got {self.seed}", param="seed",
+                           code="invalid_value")
         bias = None
         if self.logit_bias is not None:
             bias = {}
@@ -198,6 +204,9 @@ class ChatCompletionRequest(OpenAIRequest):
                            param="tool_choice" if self.tool_choice is not None else "tools", code="unsupported_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs", code="invalid_value")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
 

@@ -67,7 +67,7 @@ import numpy as np
 from jaxpaged.allocator import KVAllocator
 from jaxpaged.outputs import Logprob
 from jaxpaged.sequence import Request, RequestStatus, Sequence
-from jaxpaged.stopping import check_stop
+from jaxpaged.stopping import check_stop, is_stop_token
 
 log = logging.getLogger(__name__)
 
@@ -497,8 +497,10 @@ class Scheduler:
     def _append(self, seq: Sequence, token: int, logprob: float, entry) -> None:
         """Append a sampled token to ``seq``; apply the stop rule; free the sequence if it ended."""
         seq.num_pending -= 1
-        stop_string = seq.append(token, logprob, entry)
-        stop = check_stop(seq.request.params, token, num_output_tokens=seq.num_output_tokens,
+        params = seq.request.params
+        text = not is_stop_token(params, token, num_output_tokens=seq.num_output_tokens + 1, eos_ids=self.eos_ids)
+        stop_string = seq.append(token, logprob, entry, text=text)
+        stop = check_stop(params, token, num_output_tokens=seq.num_output_tokens,
                           num_tokens=len(seq.token_ids), stop_string=stop_string, eos_ids=self.eos_ids,
                           max_model_len=self.max_model_len)
         if stop is not None:
@@ -529,7 +531,9 @@ class Scheduler:
             rank = sampled.top_ids[i, :k].tolist().index(c.token) + 1
             c.entry = self._entry(req, sampled, i, c.token, rank, c.logprob)
             detok = c.parent.detok.fork() if c.parent.detok is not None else None
-            stop_string = detok.add(c.token) if detok is not None else None
+            c.keeps_text = not is_stop_token(req.params, c.token, num_output_tokens=c.parent.num_output_tokens + 1,
+                                             eos_ids=self.eos_ids)
+            stop_string = detok.add(c.token) if detok is not None and c.keeps_text else None
             c.text = detok.text if detok is not None else ""
             c.finish = check_stop(req.params, c.token, num_output_tokens=c.parent.num_output_tokens + 1,
                                   num_tokens=len(c.parent.token_ids) + 1, stop_string=stop_string,
@@ -547,7 +551,7 @@ class Scheduler:
         beams = [(c.parent, c) for c in plan.keep] + forks
         for j, (seq, c) in enumerate(beams):
             seq.index = j
-            seq.append(c.token, c.logprob, c.entry)
+            seq.append(c.token, c.logprob, c.entry, text=c.keeps_text)
         req.seqs = [seq for seq, _ in beams]
 
     def _record_prompt_logprobs(self, chunk: PromptLogprobs) -> None:

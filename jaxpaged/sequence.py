@@ -74,13 +74,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, logprob: float, entry: PositionLogprobs | None) -> str | None:
-        """Append a sampled token; returns the stop string it completed, if any."""
+    def append(self, token: int, logprob: float, entry: PositionLogprobs | None, *, text: bool = True) -> str | None:
+        """Append a sampled token; returns the stop string it completed, if any. ``text``:
+        whether the token's text joins the output (not for a stop token id)."""
         self.token_ids.append(token)
         self.cumulative_logprob += logprob
         if entry is not None:
             self.logprobs.append(entry)
-        return self.detok.add(token) if self.detok is not None else None
+        return self.detok.add(token) if self.detok is not None and text else None
 
     def fork(self, index: int) -> Sequence:
         child = Sequence(self.request, index, list(self.token_ids))

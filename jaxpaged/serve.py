@@ -112,10 +112,20 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         tok = engine.tokenizer
         return tok.decode(token_ids) if tok is not None else ""
 
+    def fits(req) -> None:
+        """vLLM's rule: a ``max_tokens`` asked for must fit beside the prompt (the offline
+        engine stops at ``max_model_len`` instead)."""
+        n, asked, limit = len(req.prompt_token_ids), req.params.max_tokens, engine.max_model_len
+        if asked is not None and n + asked > limit:
+            raise APIError(400, f"max_tokens is too large: {asked}. This model's maximum context length is {limit} "
+                           f"tokens and the request has {n} input tokens ({asked} > {limit} - {n})",
+                           param="max_tokens", code="invalid_value")
+
     async def add(prompts: list, params, request_id: str) -> list[RequestStream]:
         """Queue every prompt, or none."""
         try:
-            return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
+            return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
+                                             check=fits)
         except (ValueError, TypeError) as e:
             raise invalid(e) from None
         except EngineOverloadedError as e:

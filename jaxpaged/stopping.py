@@ -39,3 +39,10 @@ def check_stop(params: SamplingParams, token: int, *, num_output_tokens: int, nu
     if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or num_tokens >= max_model_len:
         return "length", None
     return None
+
+
+def is_stop_token(params: SamplingParams, token: int, *, num_output_tokens: int, eos_ids: Collection[int]) -> bool:
+    """Whether ``token`` ends the sequence as a stop token id or EOS (``check_stop``'s rule).
+    Its text is left out of the output, as vLLM does; the id stays in ``token_ids``."""
+    return num_output_tokens >= params.min_tokens and (
+        token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids))

@@ -144,6 +144,7 @@ def test_stop_conditions(tiny_engine_model, reference):
     o = llm.generate(PROMPTS[1], GREEDY.replace(stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
     k = full.token_ids.index(stop_tok)
     assert o.token_ids == full.token_ids[:k + 1] and o.finish_reason == "stop" and o.stop_reason == stop_tok
+    assert o.text == llm.tokenizer.decode(full.token_ids[:k]) != llm.tokenizer.decode(o.token_ids)  # vLLM's: its text out
     # A stop string: generation ends and the string is not in the text.
     word = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
     if word.strip():

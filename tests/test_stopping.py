@@ -3,7 +3,7 @@
 import pytest
 
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.stopping import check_stop
+from jaxpaged.stopping import check_stop, is_stop_token
 
 EOS = (2,)
 
@@ -30,3 +30,13 @@ def stop(params, token, *, out=1, total=10, string=None, max_model_len=64):
 ])
 def test_stop_rule(params, token, kw, want):
     assert stop(params, token, **kw) == want
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(ignore_eos=True, stop_token_ids=[7]),
+                                    SamplingParams(min_tokens=3, stop_token_ids=[7, 9], stop=["ab"])])
+@pytest.mark.parametrize("token", [2, 5, 7, 9])
+@pytest.mark.parametrize("out", [1, 3, 4])
+def test_a_stop_token_is_what_check_stop_ends_on_without_a_string(params, token, out):
+    # The token whose text stays out of the output is exactly the one check_stop stops on by id.
+    by_id = stop(params, token, out=out) == ("stop", token if token != 2 else None) and token in (2, 7, 9)
+    assert is_stop_token(params, token, num_output_tokens=out, eos_ids=EOS) == by_id
