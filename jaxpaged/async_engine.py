@@ -156,6 +156,7 @@ class AsyncLLM:
         self._cond = threading.Condition()
         # Guarded by _cond: the hand-over queues, the live streams, the published stats.
         self._adds: list[tuple[Request, RequestStream]] = []
+        self._tokenizing = 0  # requests on the tokenizer thread: they count as waiting
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
         self._stats = SchedulerStats(num_blocks=llm.bm.stats().num_blocks)
@@ -178,7 +179,7 @@ class AsyncLLM:
     def stats(self) -> SchedulerStats:
         """The latest published state; requests handed over but not admitted count as waiting."""
         with self._cond:
-            return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + len(self._adds))
+            return dataclasses.replace(self._stats, num_waiting=self._waiting())
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
                     request_id: str | None = None) -> RequestStream:
@@ -210,7 +211,7 @@ class AsyncLLM:
         if len(request_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
         loop = asyncio.get_running_loop()
-        self._check_room()
+        self._check_room(reserve=len(prompts))
 
         def process():
             reqs = [self.llm.inputs.process(p, params, rid, self._streams) for p, rid in zip(prompts, request_ids)]
@@ -218,7 +219,13 @@ class AsyncLLM:
                 check(req)
             return reqs
 
-        return self._hand_over(await self.run_on_tokenizer_thread(process), loop)
+        try:
+            reqs = await self.run_on_tokenizer_thread(process)
+        except BaseException:
+            with self._cond:
+                self._tokenizing -= len(prompts)
+            raise
+        return self._hand_over(reqs, loop, reserved=len(prompts))
 
     async def run_on_tokenizer_thread(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the one thread that tokenizes requests (chat templates,
@@ -226,22 +233,33 @@ class AsyncLLM:
         share between concurrent calls."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
-        except RuntimeError:  # the executor is shut down
-            if self._stopping:
+        except (RuntimeError, asyncio.CancelledError):
+            # The executor is shut down, or shutdown cancelled this call's work (not the caller).
+            task = asyncio.current_task()
+            if self._stopping and (task is None or not task.cancelling()):
                 raise EngineDeadError("the engine is shut down") from None
             raise
 
-    def _check_room(self) -> None:
+    def _waiting(self) -> int:  # under _cond
+        return self._stats.num_waiting + len(self._adds) + self._tokenizing
+
+    def _check_room(self, reserve: int = 0) -> None:
+        """Raise unless fewer than ``max_waiting_requests`` wait; then count ``reserve``
+        requests as waiting (on the tokenizer thread) until ``_hand_over``."""
         with self._cond:
             self._check_alive()
-            waiting = self._stats.num_waiting + len(self._adds)
+            waiting = self._waiting()
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise EngineOverloadedError(f"the engine is overloaded: {waiting} requests waiting, "
                                             f"max_waiting_requests is {self.max_waiting_requests}; retry later")
+            self._tokenizing += reserve
 
-    def _hand_over(self, reqs: list[Request], loop: asyncio.AbstractEventLoop) -> list[RequestStream]:
-        """Register a stream for each validated request and queue them for the engine thread."""
+    def _hand_over(self, reqs: list[Request], loop: asyncio.AbstractEventLoop, reserved: int = 0
+                   ) -> list[RequestStream]:
+        """Register a stream for each validated request and queue them for the engine thread;
+        ``reserved``: what ``_check_room`` counted for them."""
         with self._cond:
+            self._tokenizing -= reserved
             self._check_alive()
             for req in reqs:
                 if req.request_id in self._streams:  # taken by another caller meanwhile
@@ -279,7 +297,7 @@ class AsyncLLM:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._tokenizer_thread.shutdown(wait=False)  # what it has queued runs, then meets EngineDeadError
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)  # its callers get EngineDeadError
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 

@@ -21,6 +21,7 @@ block), and parents with no continuation are freed. No jax here.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxpaged.outputs import FinishReason, PositionLogprobs
 from jaxpaged.sequence import Sequence
@@ -72,7 +73,11 @@ class BeamSearch:
         self.improvable = True
 
     def score(self, cumulative_logprob: float, generated_len: int) -> float:
-        return cumulative_logprob / (generated_len ** self.length_penalty)
+        """``cumulative_logprob / generated_len ** length_penalty``, which never raises: the
+        power's exponent is clamped inside the float range, so a huge ``length_penalty``
+        (either sign) ranks as its limit instead of overflowing on the engine thread."""
+        exponent = self.length_penalty * math.log(max(generated_len, 1))
+        return cumulative_logprob / math.exp(min(max(exponent, -700.0), 700.0))
 
     def top_candidates(self, beams: list[tuple[Sequence, list[int], list[float]]]) -> list[Candidate]:
         """The best ``2 * width`` continuations of every live beam, best first.

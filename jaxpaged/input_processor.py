@@ -36,13 +36,18 @@ def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: Sa
     return [(p, sampling_params or SamplingParams()) for p in prompts]
 
 
-def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
-    """``text``'s token ids; a ValueError for text that is not valid Unicode (a lone surrogate,
-    which JSON can carry), where the tokenizer would raise an unhelpful TypeError."""
+def check_unicode(text: str, what: str) -> None:
+    """A ValueError naming ``what`` for text that is not valid Unicode (a lone surrogate, which
+    JSON can carry), where a tokenizer would raise an unhelpful TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"prompt is not valid Unicode: {e.reason} at position {e.start}") from None
+        raise ValueError(f"{what} is not valid Unicode: {e.reason} at position {e.start}") from None
+
+
+def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    """``text``'s token ids, after :func:`check_unicode`."""
+    check_unicode(text, "prompt")
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 

@@ -7,6 +7,7 @@ are ignored, as OpenAI and vLLM do. Types are checked strictly by pydantic, valu
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -103,7 +104,8 @@ class OpenAIRequest(BaseModel):
             bias = {}
             for k, v in self.logit_bias.items():
                 try:
-                    bias[int(k)] = v
+                    # OpenAI's range, which vLLM clamps to as well (NaN is left for SamplingParams to refuse).
+                    bias[int(k)] = v if math.isnan(v) else min(100.0, max(-100.0, v))
                 except ValueError:
                     raise APIError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias",
                                    code="invalid_value") from None

@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
+_FLOAT32_MAX = 3.4028234663852886e38  # biases are added to float32 logits: beyond this they become inf
 MAX_LOGPROBS = 20  # cap on logprobs / prompt_logprobs (vLLM's default max_logprobs)
 
 
@@ -179,7 +180,7 @@ class SamplingParams:
             need(v is None or 0 <= v <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
         for k, v in self.logit_bias.items() if self.logit_bias else ():
             need(k >= 0, f"logit_bias keys must be non-negative token ids, got {k}")
-            need(math.isfinite(v), f"logit_bias[{k}] must be finite, got {v}")
+            need(abs(v) <= _FLOAT32_MAX, f"logit_bias[{k}] must be a finite float32, got {v}")
         need(all(s for s in self.stop), f"stop cannot contain an empty string, got {self.stop!r}")
         need(all(i >= 0 for i in self.stop_token_ids),
              f"stop_token_ids must be non-negative, got {self.stop_token_ids}")

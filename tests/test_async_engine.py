@@ -225,3 +225,46 @@ def test_requests_a_running_step_admitted_no_longer_count_as_waiting(tiny_engine
         release.set()
         engine.shutdown()
         llm.runner.collect = collect
+
+
+def test_requests_being_tokenized_count_as_waiting_and_shutdown_ends_them(tiny_engine_model):
+    llm = LLM(tiny_engine_model, max_num_seqs=1, num_blocks=128)
+    engine = AsyncLLM(llm, max_waiting_requests=1)
+    tokenize, entered, release = llm.inputs.tokenizer, threading.Event(), threading.Event()
+
+    class Held:  # holds the tokenizer thread until released
+        def __getattr__(self, name):
+            return getattr(tokenize, name)
+
+        def __call__(self, *args, **kw):
+            entered.set()
+            assert release.wait(30)
+            return tokenize(*args, **kw)
+
+    llm.inputs.tokenizer = Held()
+    try:
+        async def main():
+            first = asyncio.ensure_future(engine.add_requests([PROMPTS[0]], GREEDY, ["a"]))
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            # "a" is still being tokenized, and already counts against the bound (before: not at all,
+            # so a burst behind a long prompt all got in).
+            assert engine.stats.num_waiting == 1
+            with pytest.raises(EngineOverloadedError, match="1 requests waiting"):
+                await engine.add_requests([PROMPTS[1]], GREEDY, ["b"])
+            engine.max_waiting_requests = None
+            queued = asyncio.ensure_future(engine.add_requests([PROMPTS[2]], GREEDY, ["c"]))
+            await asyncio.sleep(0.05)
+            engine.shutdown()  # "c" waits behind "a": cancelled, and both callers hear the engine is gone
+            with pytest.raises(EngineDeadError, match="shut down"):
+                await queued
+            release.set()
+            with pytest.raises(EngineDeadError, match="shut down"):
+                await first
+
+        run(main())
+        assert engine._tokenizing == 0 and not llm.core.requests
+    finally:
+        release.set()
+        engine.shutdown()
+        llm.inputs.tokenizer = tokenize

@@ -164,6 +164,29 @@ def test_beam_search_at_max_model_len_finishes_with_length(tiny_engine_model):
     assert all(20 + len(c.token_ids) == 24 for c in out.outputs)
 
 
+@pytest.mark.parametrize("length_penalty", [1100.0, -1100.0])
+def test_beam_search_with_an_extreme_length_penalty_finishes(tiny_engine_model, length_penalty):
+    """Before: ``n ** length_penalty`` overflowed (or underflowed to a division by zero) on the
+    engine thread, which killed the engine for every request (found by the server fuzz)."""
+    llm = make(tiny_engine_model)
+    beam = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True,
+                          length_penalty=length_penalty)
+    out = llm.generate(["The quick brown fox", "1, 2, 3,"], beam, use_tqdm=False)
+    assert [[len(c.token_ids) for c in o.outputs] for o in out] == [[6, 6], [6, 6]]
+    assert_idle(llm)
+
+
+def test_beam_score_never_raises_and_keeps_its_order():
+    from jaxpaged.beam_search import BeamSearch
+
+    for lp in (-1e6, -1100.0, -1.0, 0.0, 0.5, 1.0, 2.0, 1100.0, 1e6):
+        beam = BeamSearch(2, lp)
+        for n in (1, 2, 512, 10**6):
+            assert beam.score(-3.0, n) < beam.score(-2.0, n) <= 0  # finite or not, a better sum ranks higher
+        if abs(lp) <= 2:
+            assert beam.score(-3.0, 7) == pytest.approx(-3.0 / 7 ** lp)
+
+
 def test_generate_and_stream_keep_other_requests_outputs(tiny_engine_model):
     """Before: generate() and stream() stepped the engine and dropped every output that was not
     theirs, so a request added with add_request never delivered its final output."""

@@ -46,6 +46,7 @@ def test_defaults_match_vllm():
     (dict(prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs"),
     (dict(logit_bias={3: math.inf}), "logit_bias"),
     (dict(logit_bias={3: math.nan}), "logit_bias"),
+    (dict(logit_bias={3: 1e39}), "logit_bias"),  # finite in Python, inf once added to float32 logits
     (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop=""), "stop"),

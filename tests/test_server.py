@@ -475,6 +475,8 @@ BAD = [  # (path, body, status, message pattern, param)
     ("/tokenize", b'{"prompt": "a\\ud800"}', 400, r"prompt is not valid Unicode: surrogates not allowed at position 1",
      "prompt"),
     ("/v1/completions", b'{"prompt": "\\ud800"}', 400, r"prompt is not valid Unicode", "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\udfff"}]}', 400,
+     r"messages\[0\]\.content is not valid Unicode: surrogates not allowed at position 3", "messages"),
     ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, r"the model 'gpt-4' does not exist", "model"),
     ("/detokenize", {"tokens": [1, 99999999]}, 400, r"tokens \[99999999\] are outside the vocabulary", "tokens"),
     ("/detokenize", {"tokens": "1 2"}, 400, r"tokens: .*valid list", "tokens"),
