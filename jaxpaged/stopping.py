@@ -29,13 +29,10 @@ def check_stop(params: SamplingParams, token: int, *, num_output_tokens: int, nu
     Stop strings, ``stop_token_ids`` and EOS count only from ``min_tokens`` on (vLLM's
     rule); ``stop_reason`` is the stop string or stop token id, None for EOS and length.
     """
-    if num_output_tokens >= params.min_tokens:
-        if stop_string is not None:
-            return "stop", stop_string
-        if token in params.stop_token_ids:
-            return "stop", token
-        if not params.ignore_eos and token in eos_ids:
-            return "stop", None
+    if num_output_tokens >= params.min_tokens and stop_string is not None:
+        return "stop", stop_string
+    if is_stop_token(params, token, num_output_tokens=num_output_tokens, eos_ids=eos_ids):
+        return "stop", token if token in params.stop_token_ids else None
     if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or num_tokens >= max_model_len:
         return "length", None
     return None
