@@ -33,7 +33,8 @@ class Detokenizer:
     def add(self, token_id: int) -> str | None:
         """Append a token; return the stop string it completed, if any.
 
-        On a stop string the text is truncated before it (vLLM's default). Stop strings
+        On a stop string the text is truncated before it (vLLM's default); of several
+        in the new text, before the earliest. Stop strings
         count only once ``min_tokens`` tokens are out, as in ``check_stop``: a match before
         that neither truncates the text nor stops the sequence.
         """
@@ -49,10 +50,12 @@ class Detokenizer:
         self.read_offset = len(self.ids)
         if len(self.ids) < self.min_tokens:
             return None
-        for s in self.stop:
-            # Only a match that ends in the new text: earlier text was already checked.
-            i = self.text.find(s, max(0, start - len(s) + 1))
-            if i != -1:
-                self.text = self.text[:i]
-                return s
-        return None
+        # Only a match that ends in the new text: earlier text was already checked. The
+        # earliest match wins (vLLM takes the first in the list that matches anywhere, which
+        # can leave another stop string in the text).
+        found = [(i, k) for k, s in enumerate(self.stop) if (i := self.text.find(s, max(0, start - len(s) + 1))) != -1]
+        if not found:
+            return None
+        i, k = min(found)
+        self.text = self.text[:i]
+        return self.stop[k]

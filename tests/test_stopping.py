@@ -2,6 +2,7 @@
 
 import pytest
 
+from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.stopping import check_stop, is_stop_token
 
@@ -40,3 +41,29 @@ def test_a_stop_token_is_what_check_stop_ends_on_without_a_string(params, token,
     # The token whose text stays out of the output is exactly the one check_stop stops on by id.
     by_id = stop(params, token, out=out) == ("stop", token if token != 2 else None) and token in (2, 7, 9)
     assert is_stop_token(params, token, num_output_tokens=out, eos_ids=EOS) == by_id
+
+
+class Letters:  # a tokenizer whose token i is the text WORDS[i]
+    WORDS = ["paternal", "ab", "c", "d", " "]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.WORDS[i] for i in ids)
+
+
+def detokenize(ids, stop, min_tokens=0):
+    d = Detokenizer(Letters(), skip_special_tokens=True, stop=stop, min_tokens=min_tokens)
+    for n, t in enumerate(ids, 1):
+        if (s := d.add(t)) is not None:
+            return d.text, s, n
+    return d.text, None, len(ids)
+
+
+@pytest.mark.parametrize("ids, stop, min_tokens, want", [
+    ([0], ["e", "a"], 0, ("p", "a", 1)),  # the earliest match, whatever the list order
+    ([1, 1, 2], ["bc", "ba"], 0, ("a", "ba", 2)),  # a match across tokens
+    ([1, 1, 2], ["bc", "ba"], 3, ("aba", "bc", 3)),  # "ba" came before min_tokens: it does not count
+    ([1, 1, 1], ["ba"], 2, ("a", "ba", 2)),  # the min_tokens-th token may complete one
+    ([2, 3, 4], ["x"], 0, ("cd ", None, 3)),
+])
+def test_detokenizer_stop_strings(ids, stop, min_tokens, want):
+    assert detokenize(ids, stop, min_tokens) == want
