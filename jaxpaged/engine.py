@@ -259,12 +259,17 @@ class LLM:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it is generated (deltas of the first completion)."""
+        """Yield the text of one request as it is generated (deltas of the first completion).
+
+        Text that could still turn out to be the start of a stop string (its last
+        ``len(longest stop) - 1`` characters) is held back until it cannot, as the server's
+        streams do: a stop string cuts the text before it, and what was yielded stays yielded.
+        """
         req = self.inputs.process(prompt, sampling_params, None, self._live())
         inbox: dict[str, Request] = {}
         self.core.add(req)
         self._claimed[req.request_id] = inbox
-        sent = 0
+        sent, hold = 0, max((len(s) for s in req.params.stop), default=1) - 1
         try:
             while True:
                 if not inbox:  # others may have stepped the engine for us while we were paused
@@ -273,9 +278,10 @@ class LLM:
                     continue
                 o = self.outputs.make_output(req)
                 text = o.outputs[0].text if o.outputs else ""
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
+                end = len(text) if o.finished else len(text) - hold
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
                 if o.finished:
                     return
         finally:

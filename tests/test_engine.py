@@ -165,6 +165,7 @@ def test_stop_conditions(tiny_engine_model, reference):
         p = SamplingParams(temperature=0, max_tokens=10, min_tokens=min_tokens, logit_bias={ab[0]: 100.0}, stop=["ba"])
         o = llm.generate(PROMPTS[1], p, use_tqdm=False)[0].outputs[0]
         assert (o.text, len(o.token_ids), o.finish_reason, o.stop_reason) == (text, n, "stop", "ba"), min_tokens
+        assert "".join(llm.stream(PROMPTS[1], p)) == text  # "ab" is not yielded before "ba" cuts it to "a"
     assert_no_leak(llm)
 
 

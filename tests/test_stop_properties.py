@@ -83,4 +83,6 @@ def test_every_output_ends_for_the_reason_it_reports(llm, likely, data):
     assert len(out.outputs) == p.n
     for c in out.outputs:
         check_output(llm, p, c, len(out.prompt_token_ids))
+    if p.n == 1 and p.seed is not None or p.temperature == 0:  # the same tokens again, streamed
+        assert "".join(llm.stream(prompt, p)) == out.outputs[0].text  # nothing yielded that a stop string cut
     assert llm.stats()["num_used_blocks"] == 0
