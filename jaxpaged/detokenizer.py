@@ -33,10 +33,10 @@ class Detokenizer:
     def add(self, token_id: int) -> str | None:
         """Append a token; return the stop string it completed, if any.
 
-        On a stop string the text is truncated before it (vLLM's default); of several
-        in the new text, before the earliest. Stop strings
-        count only once ``min_tokens`` tokens are out, as in ``check_stop``: a match before
-        that neither truncates the text nor stops the sequence.
+        On a stop string the text is truncated before it (vLLM's default); of several in
+        the new text, before the earliest. Stop strings count only once ``min_tokens``
+        tokens are out, as in ``check_stop``: a match before that neither truncates the
+        text nor stops the sequence.
         """
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
