@@ -9,6 +9,19 @@ incomplete UTF-8 sequence (U+FFFD).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
+
+
+def stream_end(text: str, sent: int, stop: Sequence[str], finished: bool) -> int:
+    """How far a stream may send ``text`` (``sent`` characters out so far).
+
+    While the sequence runs its last ``len(longest stop string) - 1`` characters are held
+    back: they could still start a stop string, which would cut the text before it, and
+    what was sent stays sent. Used by ``LLM.stream`` and the server's streams alike.
+    """
+    if finished:
+        return len(text)
+    return max(sent, len(text) - (max((len(s) for s in stop), default=1) - 1))
 
 
 class Detokenizer:

@@ -22,6 +22,7 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.compilation_cache import ensure_compilation_cache
 from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.data_parallel import DataParallelRunner, DataParallelScheduler
+from jaxpaged.detokenizer import stream_end
 from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
@@ -229,7 +230,12 @@ class LLM:
         start, generated = time.perf_counter(), 0
         try:
             while len(done) < len(reqs):
-                self._advance()
+                if self.core.has_unfinished():
+                    self._advance()
+                else:  # what is left was aborted (by another caller): it ends as it stands
+                    inbox.update((r.request_id, r) for r in reqs if r.request_id not in done and r.finished)
+                    if not inbox:
+                        raise RuntimeError("the engine has no work left but requests are unfinished")
                 for rid, r in list(inbox.items()):
                     if r.finished:  # outputs only for finished requests: ~20 us each
                         done[rid] = self.outputs.make_output(inbox.pop(rid))
@@ -269,16 +275,18 @@ class LLM:
         inbox: dict[str, Request] = {}
         self.core.add(req)
         self._claimed[req.request_id] = inbox
-        sent, hold = 0, max((len(s) for s in req.params.stop), default=1) - 1
+        sent = 0
         try:
             while True:
+                if req.finished and not inbox:  # aborted (by another caller) while we were paused
+                    return
                 if not inbox:  # others may have stepped the engine for us while we were paused
                     self._advance()
                 if inbox.pop(req.request_id, None) is None:
                     continue
                 o = self.outputs.make_output(req)
                 text = o.outputs[0].text if o.outputs else ""
-                end = len(text) if o.finished else len(text) - hold
+                end = stream_end(text, sent, req.params.stop, o.finished)
                 if end > sent:
                     yield text[sent:end]
                     sent = end

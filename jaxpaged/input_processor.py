@@ -26,8 +26,11 @@ PromptType = str | list[int] | dict[str, Any]
 def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None) -> list[tuple[PromptType, SamplingParams]]:
     """One prompt or a list, with one ``SamplingParams`` for all or one each → pairs."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]  # one prompt; a 2-D array is a batch of token-id rows
+    if not isinstance(prompts, (Sequence, np.ndarray)):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
     prompts = list(prompts)
     if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, SamplingParams):
         if len(sampling_params) != len(prompts):
@@ -73,15 +76,19 @@ class InputProcessor:
         self._ids = itertools.count()
 
     def to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """``(text or None, token ids)`` of a prompt: a str, a list of ids, or a dict with
-        ``"prompt"`` or ``"prompt_token_ids"``."""
+        """``(text or None, token ids)`` of a prompt: a str, a sequence of token ids, or a dict
+        with ``"prompt"`` (text) or ``"prompt_token_ids"`` or both (the ids are used, the text
+        goes to the output's ``prompt``, as in vLLM's ``TokensPrompt``)."""
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+            if unknown or not prompt:
+                raise ValueError(f"a prompt dict takes 'prompt' and/or 'prompt_token_ids', got keys {unknown}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"prompt dict's 'prompt' must be a str, got {type(text).__name__}")
+            if "prompt_token_ids" not in prompt:
+                return self.to_token_ids(text)
+            return text, self.check_token_ids(prompt["prompt_token_ids"], "'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -89,14 +96,28 @@ class InputProcessor:
                 raise ValueError("this model has no tokenizer; pass prompts as token ids")
             return prompt, encode(self.tokenizer, prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise ValueError("prompt is empty (no token ids)")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-            return None, ids
+            return None, self.check_token_ids(prompt, "prompt")
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def check_token_ids(self, ids: Any, what: str) -> list[int]:
+        """``ids`` as a list of ints, refused unless every one is an int (not a bool, float or
+        str) inside the vocabulary."""
+        if isinstance(ids, np.ndarray):
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise TypeError(f"{what} must be a 1-D integer array, got {ids.ndim}-D {ids.dtype}")
+            ids = ids.tolist()
+        elif not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+        wrong = [t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+        if wrong:
+            raise TypeError(f"{what} must hold int token ids, got {wrong[0]!r} ({type(wrong[0]).__name__})")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"{what} is empty (no token ids)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
 
     def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
                 live: Container[str]) -> Request:
@@ -118,9 +139,14 @@ class InputProcessor:
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         self.check_request(len(ids), params)
         if request_id is not None:
             request_id = str(request_id)
+            if not request_id:
+                raise ValueError("request id is empty")
             if request_id in live:
                 raise ValueError(f"request id {request_id!r} is already in use")
         else:

@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, RequestStream
+from jaxpaged.detokenizer import stream_end
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chunk,
                                       completion_logprobs, echo_text, usage)
 from jaxpaged.outputs import RequestOutput
@@ -44,7 +45,7 @@ class _Deltas:
     """What each choice has sent so far; text that could still become a stop string is held back."""
 
     def __init__(self, stop: list[str]):
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.stop = stop
         self.text: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
         self.done: set[int] = set()  # choices whose finish_reason went out: nothing more to send
@@ -56,7 +57,7 @@ class _Deltas:
         if finished:
             self.done.add(key)
         sent, first = self.text.get(key, 0), self.tokens.get(key, 0)
-        end = len(text) if finished else max(sent, len(text) - self.hold)
+        end = stream_end(text, sent, self.stop, finished)
         if end == sent and num_tokens == first and not finished:
             return None
         self.text[key], self.tokens[key] = end, num_tokens

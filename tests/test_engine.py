@@ -200,6 +200,35 @@ def test_streaming_and_engine_loop(tiny_engine_model, reference):
     assert_no_leak(llm)
 
 
+def test_abort_ends_streams_and_generate(tiny_engine_model, reference, monkeypatch):
+    greedy, _ = reference
+    llm = make(tiny_engine_model)
+    g = llm.stream(PROMPTS[0], GREEDY)
+    first = next(g)
+    (rid,) = llm.core.requests
+    llm.abort(rid)
+    assert first and "".join(g) == ""  # the stream ends at once (it used to spin forever)
+    assert_no_leak(llm)
+
+    advance = llm._advance
+    aborted = []
+
+    def advance_then_abort():  # another caller aborts one of generate's requests between steps
+        advance()
+        if not aborted:
+            aborted.append(max(llm.core.requests, key=int))
+            llm.abort(aborted[0])
+
+    monkeypatch.setattr(llm, "_advance", advance_then_abort)
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert outs[1].request_id == aborted[0] and outs[1].finished
+    assert outs[1].outputs[0].finish_reason == "abort"
+    assert greedy[1][0][:len(outs[1].outputs[0].token_ids)] == outs[1].outputs[0].token_ids
+    assert outs[0].outputs[0].token_ids == greedy[0][0]
+    assert llm.step() == [] and not llm.has_unfinished_requests()
+    assert_no_leak(llm)
+
+
 def test_chat_and_generate_helpers(tiny_engine_model, tiny_engine_folder):
     import jaxpaged
 
@@ -432,7 +461,7 @@ def test_steps_past_256_tokens_pad_to_quarter_octaves_and_keep_tokens(tiny_engin
     ([1, 2, 49152], r"outside the vocabulary \[0, 49152\)"),
     ([-1], "outside the vocabulary"),
     ([5] * 600, "prompt has 600 tokens; max_model_len is 512"),
-    ({"text": "x"}, "needs 'prompt' or 'prompt_token_ids'"),
+    ({"text": "x"}, "takes 'prompt' and/or 'prompt_token_ids'"),
     (3.5, "prompt must be a str"),
 ])
 def test_bad_prompt_rejected_alone(tiny_engine_model, reference, prompt, match):
