@@ -126,7 +126,10 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def run(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.stream and args.json:
+        parser.error("--stream prints text as it comes; --json prints whole outputs: give one")
     from jaxpaged.engine import LLM
     from jaxpaged.sampling_params import SamplingParams
 
@@ -153,7 +156,11 @@ def run(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     if args.stream:
-        outputs = []
+        for n, (prompt, sp) in enumerate(zip(prompts, params), 1):  # every prompt checked before any runs
+            llm.inputs.check(prompt, sp)
+            if sp.n > 1 or sp.use_beam_search:
+                raise ValueError(f"--stream prints one completion a prompt; prompt {n} asks for "
+                                 f"{'beam search' if sp.use_beam_search else f'n={sp.n}'}")
         for prompt, sp in zip(prompts, params):
             for delta in llm.stream(prompt, sp):
                 print(delta, end="", flush=True)

@@ -119,12 +119,10 @@ class InputProcessor:
             raise ValueError(f"{what} token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
-                live: Container[str]) -> Request:
-        """A validated request, not queued yet.
-
-        Args:
-          live: ids in use; a user id among them is refused, an automatic id skips them.
+    def check(self, prompt: PromptType, params: SamplingParams | None
+              ) -> tuple[str | None, list[int], SamplingParams]:
+        """``(text or None, token ids, params)`` of a request that the engine can run; no side
+        effects (no request id or seed drawn), so a caller can check many before queuing any.
 
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
@@ -143,6 +141,19 @@ class InputProcessor:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         self.check_request(len(ids), params)
+        return text, ids, params
+
+    def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
+                live: Container[str]) -> Request:
+        """A validated request (:meth:`check`), not queued yet.
+
+        Args:
+          live: ids in use; a user id among them is refused, an automatic id skips them.
+
+        Raises:
+          ValueError, TypeError: naming what is wrong with the request.
+        """
+        text, ids, params = self.check(prompt, params)
         if request_id is not None:
             request_id = str(request_id)
             if not request_id:

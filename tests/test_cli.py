@@ -53,6 +53,18 @@ def test_stream(capsys, monkeypatch, tiny_engine_folder):
     assert code == 0 and out.strip()
 
 
+def test_stream_checks_every_prompt_first(capsys, monkeypatch, tiny_engine_folder):
+    argv = ["--model", str(tiny_engine_folder), "--stream", "--max-tokens", "6", "--max-model-len", "64"]
+    code, out, err = run(capsys, monkeypatch, argv + ["Hi", "word " * 100])
+    assert code == 1 and out == ""  # nothing streamed before the bad prompt was found
+    assert "prompt has" in err and "max_model_len is 64" in err
+    code, out, err = run(capsys, monkeypatch, argv + ["--n", "2", "--temperature", "1", "Hi"])
+    assert code == 1 and out == "" and "--stream prints one completion a prompt; prompt 1 asks for n=2" in err
+    with pytest.raises(SystemExit):
+        main(argv + ["--json", "Hi"])
+    assert "give one" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--temperature", "-1", "x"], "temperature"),
     (["--block-size", "3", "x"], "block_size=3 must be a power of two"),
