@@ -107,12 +107,12 @@ def _read_prompts(args) -> list[tuple[str, dict]]:
                     raise ValueError(f"{args.file}:{n}: not valid JSON ({e.msg})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                     raise ValueError(f"{args.file}:{n}: each line needs a string 'prompt'")
-                items.append((obj.pop("prompt"), obj))
+                items.append((obj.pop("prompt"), obj | {"_line": f"{args.file}:{n}"}))
             else:
                 items.append((line, {}))
-    prompts = [q for q in args.prompts if q != "-"]
-    items += [(q, {}) for q in prompts]
-    if not items and (not args.prompts or "-" in args.prompts):
+    stdin = "-" in args.prompts or (not args.prompts and args.file is None)
+    items += [(q, {}) for q in args.prompts if q != "-"]
+    if stdin:  # '-' among the prompts, or no prompts at all
         items += [(line, {}) for line in sys.stdin.read().splitlines() if line.strip()]
     if not items:
         raise ValueError("no prompts: pass them as arguments, with --file, or on standard input")
@@ -130,6 +130,8 @@ def run(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.stream and args.json:
         parser.error("--stream prints text as it comes; --json prints whole outputs: give one")
+    if args.system is not None and not args.chat:
+        parser.error("--system is a chat option: add --chat")
     from jaxpaged.engine import LLM
     from jaxpaged.sampling_params import SamplingParams
 
@@ -140,17 +142,23 @@ def run(argv: list[str] | None = None) -> int:
     items = _read_prompts(args)
     params = []
     for _, extra in items:
-        unknown = set(extra) - fields
-        if unknown:
-            raise ValueError(f"unknown sampling options in prompts file: {sorted(unknown)}")
-        params.append(SamplingParams(**{**base, **extra}))
+        where = extra.pop("_line", None)
+        try:
+            unknown = set(extra) - fields
+            if unknown:
+                raise ValueError(f"unknown sampling options {sorted(unknown)}")
+            params.append(SamplingParams(**{**base, **extra}))
+        except (ValueError, TypeError) as e:
+            if where is None:
+                raise
+            raise type(e)(f"{where}: {e}") from None
     llm = LLM(args.model, **engine_kwargs(args))
     prompts = []
     for text, _ in items:
         if args.chat:
             conv = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": text}]
-            prompts.append({"prompt_token_ids": llm.apply_chat_template(conv)})
+            prompts.append(llm.chat_prompt(conv))
         else:
             prompts.append(text)
 

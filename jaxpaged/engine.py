@@ -26,7 +26,7 @@ from jaxpaged.detokenizer import stream_end
 from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
-from jaxpaged.input_processor import InputProcessor, PromptType, pair_prompts
+from jaxpaged.input_processor import InputProcessor, PromptType, chat_messages, pair_prompts
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
@@ -195,7 +195,9 @@ class LLM:
         self._claimed.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished() or bool(self._unclaimed)
+        # Not the core's: with async scheduling a step dispatched past the last request's end stays
+        # in flight, and holds no output; the next step collects it.
+        return self.core.scheduler.has_unfinished() or bool(self._unclaimed)
 
     def _advance(self) -> None:
         """One engine iteration; each changed request goes to the inbox of whoever waits for it."""
@@ -252,17 +254,33 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the model's chat template."""
+        """Generate replies to one conversation or a list of them, with the model's chat template.
+
+        A message is a dict with a str ``role`` and a ``content`` that is a str or a list of
+        OpenAI text parts (``{"type": "text", "text": ...}``); each output's ``prompt`` is
+        the conversation as the template wrote it."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in convs]
+        if not isinstance(messages, list) or not messages:
+            got = repr(messages) if isinstance(messages, list) else type(messages).__name__
+            raise TypeError(f"messages must be a non-empty list of message dicts (one conversation) or of "
+                            f"conversations, got {got}")
+        convs = messages if isinstance(messages[0], list) else [messages]
+        prompts = [self.chat_prompt(c, add_generation_prompt, what=f"conversation {i}" if len(convs) > 1
+                                    else "messages") for i, c in enumerate(convs)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True, *,
+                    what: str = "messages") -> dict[str, Any]:
+        """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation through the chat
+        template; a malformed message is refused naming it (``what[i]``)."""
+        text = self.tokenizer.apply_chat_template(chat_messages(conversation, what), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation through the chat template."""
+        return self.chat_prompt(conversation, add_generation_prompt)["prompt_token_ids"]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated (deltas of the first completion).
@@ -271,7 +289,11 @@ class LLM:
         ``len(longest stop) - 1`` characters) is held back until it cannot, as the server's
         streams do: a stop string cuts the text before it, and what was yielded stays yielded.
         """
-        req = self.inputs.process(prompt, sampling_params, None, self._live())
+        self.inputs.check(prompt, sampling_params)  # a bad request raises here, not at the first next()
+        return self._stream(prompt, sampling_params)
+
+    def _stream(self, prompt: PromptType, sampling_params: SamplingParams | None) -> Iterator[str]:
+        req = self.inputs.process(prompt, sampling_params, None, self._live())  # queued at the first next()
         inbox: dict[str, Request] = {}
         self.core.add(req)
         self._claimed[req.request_id] = inbox

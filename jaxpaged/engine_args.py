@@ -69,6 +69,10 @@ class EngineArgs:
             if self.block_size & (self.block_size - 1) or self.block_size > 256:
                 raise ValueError(f"block_size={self.block_size} must be a power of two in [1, 256]")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("seed", self.seed, 0)
+        for name in ("enable_prefix_caching", "debug_checks", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("data_parallel_size", self.data_parallel_size, 1)
         for name, minimum in (("num_blocks", 2), ("max_model_len", 1), ("max_num_batched_tokens", 1)):
             if getattr(self, name) is not None:

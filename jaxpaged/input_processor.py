@@ -29,7 +29,7 @@ def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: Sa
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
         prompts = [prompts]  # one prompt; a 2-D array is a batch of token-id rows
-    if not isinstance(prompts, (Sequence, np.ndarray)):
+    if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, (bytes, bytearray)):
         raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
     prompts = list(prompts)
     if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, SamplingParams):
@@ -52,6 +52,37 @@ def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     """``text``'s token ids, after :func:`check_unicode`."""
     check_unicode(text, "prompt")
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def chat_messages(conversation: Any, what: str = "messages") -> list[dict[str, Any]]:
+    """A conversation checked for a chat template: a list of dicts, each with a str ``role``
+    and a ``content`` that is a str, None or a list of OpenAI text parts (joined into one
+    str, as vLLM does). Errors name the message (``what[i]``)."""
+    if not isinstance(conversation, list) or not conversation:
+        got = repr(conversation) if isinstance(conversation, list) else type(conversation).__name__
+        raise TypeError(f"{what} must be a non-empty list of message dicts, got {got}")
+    out = []
+    for i, m in enumerate(conversation):
+        where = f"{what}[{i}]"
+        if not isinstance(m, dict):
+            raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{where} needs a str 'role', got {m.get('role')!r}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for k, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"{where}.content[{k}]: only text parts "
+                                     f"({{'type': 'text', 'text': str}}) are supported, got {part!r:.80}")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise TypeError(f"{where}.content must be a str or a list of text parts, got {type(content).__name__}")
+        check_unicode(m["role"], f"{where}.role")
+        check_unicode(content or "", f"{where}.content")
+        out.append({**m, "content": content or ""})
+    return out
 
 
 class InputProcessor:

@@ -444,6 +444,21 @@ def load_gguf(path: Path, *, dtype=jnp.float32, tensor_parallel_size: int = 1, u
     return config, params, tokenizer
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(dtype):
+    """``dtype`` as a numpy dtype if the model can run in it (float32, bfloat16, float16),
+    else a ValueError naming it."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in MODEL_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {MODEL_DTYPES}")
+    return dt
+
+
 def load_model(
     model: str | Path | None = None,
     *,
@@ -474,11 +489,14 @@ def load_model(
     sharding.check_tp_size(tensor_parallel_size)  # before reading any weights
     ensure_compilation_cache()  # before the first compilation: jax decides once
 
+    if model is not None and not isinstance(model, (str, Path)):
+        raise TypeError(f"model must be a path (a Hugging Face folder or a .gguf file), got {type(model).__name__}")
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    dtype = check_dtype(dtype)
     if path.is_dir():
         config, shapes, tensors = open_hf_folder(path)
         cfg = LlamaConfig.from_hf(config)

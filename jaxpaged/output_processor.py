@@ -41,9 +41,12 @@ class OutputProcessor:
                     finish_reason=s.finish_reason, stop_reason=s.stop_reason, finish_detail=s.finish_detail)
                 for s in sorted(req.seqs, key=lambda s: s.index)
             ]
+        prompt_lps = req.prompt_logprobs
+        if prompt_lps is None and p.prompt_logprobs is not None and req.num_prompt_tokens == 1:
+            prompt_lps = [None]  # nothing precedes the only token: no chunk of logprobs ever comes
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-            prompt_logprobs=self._decorate(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            prompt_logprobs=self._decorate(prompt_lps) if prompt_lps is not None else None,
             outputs=completions, finished=req.finished, num_cached_tokens=req.num_cached_tokens,
             metrics=req.metrics)
 

@@ -65,6 +65,20 @@ def test_stream_checks_every_prompt_first(capsys, monkeypatch, tiny_engine_folde
     assert "give one" in capsys.readouterr().err
 
 
+def test_stdin_dash_beside_prompts_and_option_errors_name_the_line(capsys, monkeypatch, tmp_path,
+                                                                     tiny_engine_folder):
+    argv = ["--model", str(tiny_engine_folder), "--json", "--max-tokens", "2"]
+    code, out, _ = run(capsys, monkeypatch, argv + ["x", "-"], stdin="a\nb\n")
+    assert code == 0 and [json.loads(line)["prompt"] for line in out.splitlines()[:3]] == ["x", "a", "b"]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": "two", "max_tokens": -1}\n')
+    code, _, err = run(capsys, monkeypatch, argv + ["--file", str(f)])
+    assert code == 1 and f"{f}:2: max_tokens" in err
+    with pytest.raises(SystemExit):
+        main(argv + ["--system", "be brief", "x"])
+    assert "--system is a chat option: add --chat" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--temperature", "-1", "x"], "temperature"),
     (["--block-size", "3", "x"], "block_size=3 must be a power of two"),

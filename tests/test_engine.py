@@ -209,6 +209,8 @@ def test_abort_ends_streams_and_generate(tiny_engine_model, reference, monkeypat
     llm.abort(rid)
     assert first and "".join(g) == ""  # the stream ends at once (it used to spin forever)
     assert_no_leak(llm)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # raised by the call, not the first next()
+        llm.stream([10 ** 6], GREEDY)
 
     advance = llm._advance
     aborted = []
@@ -236,6 +238,15 @@ def test_chat_and_generate_helpers(tiny_engine_model, tiny_engine_folder):
     out = llm.chat([{"role": "user", "content": "Hi!"}], GREEDY.replace(max_tokens=5), use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 5
     assert out[0].prompt_token_ids[:1] == llm.tokenizer.convert_tokens_to_ids(["<|im_start|>"])
+    assert out[0].prompt.startswith("<|im_start|>") and "Hi!" in out[0].prompt  # the templated text, as vLLM
+    assert llm.tokenizer(out[0].prompt, add_special_tokens=False)["input_ids"] == out[0].prompt_token_ids
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i!"}]}],
+                     GREEDY.replace(max_tokens=5), use_tqdm=False)  # OpenAI text parts, joined
+    assert parts[0].prompt_token_ids == out[0].prompt_token_ids
+    assert parts[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    assert not llm.has_unfinished_requests()  # nothing left for the caller, though a step may be in flight
+    one = llm.generate([[42]], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]  # one entry a prompt position, as vLLM
     text = jaxpaged.generate(PROMPTS[0], model=tiny_engine_folder, temperature=0, max_tokens=24, ignore_eos=True,
                              block_size=8)
     assert isinstance(text, str) and text == llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text
@@ -514,10 +525,41 @@ def test_logit_bias_outside_vocab_rejected(tiny_engine_model):
     (dict(max_model_len=4096), ValueError, "exceeds the model's max_position_embeddings=512"),
     (dict(attention_backend="cuda"), ValueError, "unknown attention backend 'cuda'"),
     (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype='fp8'"),
+    (dict(seed=-1), ValueError, "seed=-1 must be >= 0"),
+    (dict(seed="x"), TypeError, "seed must be an int, got 'x'"),
+    (dict(enable_prefix_caching="no"), TypeError, "enable_prefix_caching must be a bool, got 'no'"),
 ])
 def test_invalid_engine_options(tiny_engine_model, options, exc, match):
     with pytest.raises(exc, match=match):
         LLM(tiny_engine_model, **options)
+
+
+@pytest.mark.parametrize("model, options, exc, match", [
+    ("folder", dict(dtype="bogus"), ValueError, r"dtype='bogus': choose one of \('float32', 'bfloat16', 'float16'\)"),
+    ("folder", dict(dtype="int8"), ValueError, "dtype='int8'"),
+    ("folder", dict(dtype="float64"), ValueError, "dtype='float64'"),
+    (5, {}, TypeError, "model must be a path"),
+])
+def test_invalid_model_options(tiny_engine_folder, model, options, exc, match):
+    with pytest.raises(exc, match=match):
+        LLM(tiny_engine_folder if model == "folder" else model, **options)
+
+
+@pytest.mark.parametrize("messages, exc, match", [
+    ({"role": "user", "content": "hi"}, TypeError, "messages must be a non-empty list"),
+    ([], TypeError, "messages must be a non-empty list"),
+    ([{"content": "hi"}], ValueError, r"messages\[0\] needs a str 'role', got None"),
+    ([{"role": "user", "content": "\ud800"}], ValueError, r"messages\[0\].content is not valid Unicode"),
+    ([{"role": "user", "content": 5}], TypeError, r"messages\[0\].content must be a str or a list of text parts"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], ValueError, r"messages\[0\].content\[0\]: only text"),
+    (["hi"], TypeError, r"messages\[0\] must be a dict"),
+    ([[{"role": "user", "content": "a"}], [{"role": 1}]], ValueError, r"conversation 1\[0\] needs a str 'role'"),
+])
+def test_bad_chat_messages(tiny_engine_model, messages, exc, match):
+    llm = make(tiny_engine_model)
+    with pytest.raises(exc, match=match):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished_requests()
 
 
 def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_activations(tiny_engine_folder):

@@ -41,6 +41,8 @@ def test_pair_prompts_arrays():
     assert [p.tolist() for p, _ in rows] == [[1, 2], [3, 4]]
     with pytest.raises(TypeError, match="prompts must be a prompt or a list of prompts, got int"):
         pair_prompts(5, None)
+    with pytest.raises(TypeError, match="got bytes"):  # not walked as a list of ints
+        pair_prompts(b"hi", None)
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         pair_prompts(["a", "b", "c"], [SamplingParams()] * 2)
 
