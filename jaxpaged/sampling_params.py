@@ -20,6 +20,7 @@ from typing import Any
 
 SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 _FLOAT32_MAX = 3.4028234663852886e38  # biases are added to float32 logits: beyond this they become inf
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 MAX_LOGPROBS = 20  # cap on logprobs / prompt_logprobs (vLLM's default max_logprobs)
 
 
@@ -162,12 +163,13 @@ class SamplingParams:
             need(math.isfinite(getattr(self, name)), f"{name} must be finite, got {getattr(self, name)}")
         need(self.n >= 1, f"n must be at least 1, got {self.n}")
         need(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        need(self.temperature <= _FLOAT32_MAX, f"temperature must be a finite float32, got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.top_k == -1 or self.top_k >= 1,
              f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
         need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        need(self.repetition_penalty > 0.0,
-             f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+        need(_FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX,  # logits are divided or multiplied by it
+             f"repetition_penalty must be a positive normal float32, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             need(-2.0 <= getattr(self, name) <= 2.0, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         need(self.max_tokens is None or self.max_tokens >= 1,

@@ -33,6 +33,9 @@ def test_defaults_match_vllm():
     (dict(min_p=1.5), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty"),  # 0 in float32
+    (dict(repetition_penalty=1e300), "repetition_penalty"),
+    (dict(temperature=1e300), "temperature"),  # inf in float32
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(presence_penalty=-2.01), "presence_penalty"),
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
