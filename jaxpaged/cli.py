@@ -119,6 +119,13 @@ def _read_prompts(args) -> list[tuple[str, dict]]:
     return items
 
 
+def _json_logprobs(positions) -> list:
+    """``--json``'s logprobs: a list a position (None where nothing precedes the token) of
+    ``{token, token_id, logprob, rank}`` entries, the chosen token's first."""
+    return [None if p is None else [{"token": lp.decoded_token, "token_id": t, "logprob": lp.logprob,
+                                     "rank": lp.rank} for t, lp in p.items()] for p in positions]
+
+
 def _percentile(xs: list[float], q: float) -> float:
     import numpy as np
 
@@ -181,10 +188,15 @@ def run(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     for (text, _), o in zip(items, outputs):
         if args.json:
-            print(json.dumps({"request_id": o.request_id, "prompt": text, "outputs": [
+            line = {"request_id": o.request_id, "prompt": text, "outputs": [
                 {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                 "cumulative_logprob": c.cumulative_logprob} for c in o.outputs],
-                "num_prompt_tokens": len(o.prompt_token_ids), "num_cached_tokens": o.num_cached_tokens}))
+                 "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob}
+                | ({"logprobs": _json_logprobs(c.logprobs)} if c.logprobs is not None else {})
+                for c in o.outputs], "num_prompt_tokens": len(o.prompt_token_ids),
+                "num_cached_tokens": o.num_cached_tokens}
+            if o.prompt_logprobs is not None:
+                line["prompt_logprobs"] = _json_logprobs(o.prompt_logprobs)
+            print(json.dumps(line))
         else:
             for c in o.outputs:
                 prefix = f"[{c.index}] " if len(o.outputs) > 1 else ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import time
 from collections import ChainMap
 from collections.abc import Iterator, Sequence as Seq
@@ -37,6 +38,8 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
 from jaxpaged.sharding import data_parallel_devices, model_on_device, request_cpu_devices
+
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -166,6 +169,13 @@ class LLM:
             self.scheduler, self.runner = DataParallelScheduler(schedulers), DataParallelRunner(runners)
             self.bm = self.scheduler.kv
         self.data_parallel_size = data_parallel_size
+        usable = self.bm.num_usable_blocks // data_parallel_size  # a sequence lives in one replica's pool
+        if usable * block_size < self.max_model_len:
+            # vLLM refuses this; here a sequence that outgrows the pool alone is finished early
+            # (finish_reason "length", with a finish_detail saying why), the others run.
+            log.warning("max_model_len=%d is more than the KV pool holds (%d blocks of %d slots: %d tokens); a "
+                        "sequence that outgrows the pool alone is finished early", self.max_model_len,
+                        usable, block_size, usable * block_size)
         self.core = EngineCore(self.scheduler, self.runner, debug_checks=debug_checks,
                                async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,

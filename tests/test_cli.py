@@ -25,6 +25,22 @@ def test_prompts_from_args_json(capsys, monkeypatch, tiny_engine_folder):
     assert all(len(d["outputs"][0]["token_ids"]) == 5 for d in lines[:2])
     s = lines[2]["summary"]
     assert s["requests"] == 2 and s["generated_tokens"] == 10 and s["compiled_shapes"] >= 1
+    assert "logprobs" not in lines[0]["outputs"][0] and "prompt_logprobs" not in lines[0]
+
+
+def test_json_carries_logprobs(capsys, monkeypatch, tiny_engine_folder):
+    code, out, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--json", "--max-tokens", "3",
+                                               "--ignore-eos", "--logprobs", "2", "--prompt-logprobs", "1",
+                                               "--temperature", "0", "Hello there"])
+    assert code == 0, err
+    d = json.loads(out.splitlines()[0])
+    c = d["outputs"][0]
+    assert len(c["logprobs"]) == 3
+    for tid, pos in zip(c["token_ids"], c["logprobs"]):
+        assert pos[0]["token_id"] == tid and pos[0]["rank"] == 1  # greedy: the chosen token is the top one
+        assert len(pos) == 2 and pos[0]["logprob"] >= pos[1]["logprob"] and isinstance(pos[0]["token"], str)
+    assert sum(pos[0]["logprob"] for pos in c["logprobs"]) == pytest.approx(c["cumulative_logprob"], rel=1e-5)
+    assert len(d["prompt_logprobs"]) == d["num_prompt_tokens"] and d["prompt_logprobs"][0] is None
 
 
 def test_prompts_from_jsonl_with_per_line_options(capsys, monkeypatch, tmp_path, tiny_engine_folder):

@@ -534,6 +534,16 @@ def test_invalid_engine_options(tiny_engine_model, options, exc, match):
         LLM(tiny_engine_model, **options)
 
 
+def test_a_pool_smaller_than_max_model_len_is_logged(tiny_engine_model, caplog):
+    with caplog.at_level("WARNING", logger="jaxpaged.engine"):
+        make(tiny_engine_model, num_blocks=4)
+    assert "max_model_len=512 is more than the KV pool holds (3 blocks of 8 slots: 24 tokens)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxpaged.engine"):
+        make(tiny_engine_model, num_blocks=65)
+    assert "max_model_len" not in caplog.text
+
+
 @pytest.mark.parametrize("model, options, exc, match", [
     ("folder", dict(dtype="bogus"), ValueError, r"dtype='bogus': choose one of \('float32', 'bfloat16', 'float16'\)"),
     ("folder", dict(dtype="int8"), ValueError, "dtype='int8'"),
