@@ -254,6 +254,8 @@ class LLM:
                         generated += sum(len(c.token_ids) for c in done[rid].outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+            while self.core.has_unfinished() and not self.core.scheduler.has_unfinished():
+                self._advance()  # the step dispatched past the last request's end (async): leave the engine idle
         finally:
             bar.close()
             for r in reqs:

@@ -444,12 +444,12 @@ def load_gguf(path: Path, *, dtype=jnp.float32, tensor_parallel_size: int = 1, u
     return config, params, tokenizer
 
 
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64 (under jax x64): the tests' exact oracle
 
 
 def check_dtype(dtype):
-    """``dtype`` as a numpy dtype if the model can run in it (float32, bfloat16, float16),
-    else a ValueError naming it."""
+    """``dtype`` as a numpy dtype if the model can run in it (``MODEL_DTYPES``), else a
+    ValueError naming it."""
     try:
         dt = jnp.dtype(dtype)
     except TypeError:

@@ -545,9 +545,8 @@ def test_a_pool_smaller_than_max_model_len_is_logged(tiny_engine_model, caplog):
 
 
 @pytest.mark.parametrize("model, options, exc, match", [
-    ("folder", dict(dtype="bogus"), ValueError, r"dtype='bogus': choose one of \('float32', 'bfloat16', 'float16'\)"),
+    ("folder", dict(dtype="bogus"), ValueError, r"dtype='bogus': choose one of \('float32', 'bfloat16', 'float16'"),
     ("folder", dict(dtype="int8"), ValueError, "dtype='int8'"),
-    ("folder", dict(dtype="float64"), ValueError, "dtype='float64'"),
     (5, {}, TypeError, "model must be a path"),
 ])
 def test_invalid_model_options(tiny_engine_folder, model, options, exc, match):
