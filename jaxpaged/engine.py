@@ -301,10 +301,10 @@ class LLM:
         ``len(longest stop) - 1`` characters) is held back until it cannot, as the server's
         streams do: a stop string cuts the text before it, and what was yielded stays yielded.
         """
-        self.inputs.check(prompt, sampling_params)  # a bad request raises here, not at the first next()
-        return self._stream(prompt, sampling_params)
+        text, ids, params = self.inputs.check(prompt, sampling_params)  # raises here, not at the first next()
+        return self._stream({"prompt": text, "prompt_token_ids": ids}, params)
 
-    def _stream(self, prompt: PromptType, sampling_params: SamplingParams | None) -> Iterator[str]:
+    def _stream(self, prompt: dict[str, Any], sampling_params: SamplingParams) -> Iterator[str]:
         req = self.inputs.process(prompt, sampling_params, None, self._live())  # queued at the first next()
         inbox: dict[str, Request] = {}
         self.core.add(req)

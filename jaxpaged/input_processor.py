@@ -79,9 +79,11 @@ def chat_messages(conversation: Any, what: str = "messages") -> list[dict[str, A
             content = "".join(parts)
         elif content is not None and not isinstance(content, str):
             raise TypeError(f"{where}.content must be a str or a list of text parts, got {type(content).__name__}")
-        check_unicode(m["role"], f"{where}.role")
-        check_unicode(content or "", f"{where}.content")
-        out.append({**m, "content": content or ""})
+        m = {**m, "content": content or ""}
+        for key, value in m.items():
+            if isinstance(value, str):
+                check_unicode(value, f"{where}.{key}")
+        out.append(m)
     return out
 
 
@@ -145,10 +147,13 @@ class InputProcessor:
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError(f"{what} is empty (no token ids)")
+        self._check_in_vocab(ids, f"{what} token ids")
+        return ids
+
+    def _check_in_vocab(self, ids, what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"{what} token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return ids
+            raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def check(self, prompt: PromptType, params: SamplingParams | None
               ) -> tuple[str | None, list[int], SamplingParams]:
@@ -165,12 +170,8 @@ class InputProcessor:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(the prompt plus at least one generated token must fit)")
-        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        self._check_in_vocab(params.logit_bias or {}, "logit_bias token ids")
+        self._check_in_vocab(params.stop_token_ids, "stop_token_ids")
         self.check_request(len(ids), params)
         return text, ids, params
 

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxpaged.input_processor import check_unicode, encode
+from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, chat_response, completion_response, invalid)
 from jaxpaged.openai_streaming import chat_events, completion_events
@@ -161,11 +161,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            for i, m in enumerate(messages):
-                for key, value in m.items():
-                    if isinstance(value, str):
-                        check_unicode(value, f"messages[{i}].{key}")
-        except ValueError as e:
+            chat_messages(messages)  # here, not only on the tokenizer thread: its errors name the message
+        except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         try:
             return await engine.run_on_tokenizer_thread(engine.llm.apply_chat_template, messages,
