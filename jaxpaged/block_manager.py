@@ -49,14 +49,18 @@ sequences to grow into; it is waived while no sequence holds a block, so any req
 that passes the never-fits check (prompt + 1 token fits in the pool) is admitted
 eventually instead of waiting forever.
 
-Swap space is a host pool of ``swap_space // block_bytes`` blocks, not shared between
-sequences: swapping out siblings of a fork copies their common blocks once each, and
-swapped-in blocks are fresh (not re-registered in the prefix cache).
+Swap space is a host pool of ``swap_space // block_bytes`` blocks. Sequences swapped out
+together (one request's samples or beams: ``swap_out(*seq_ids)``) keep sharing what they
+shared: a block they share is copied once, to one host block they all reference, and
+swapped in together it comes back as one device block again. Blocks shared with sequences
+outside the group (prefix-cache hits) are copied for the group; swapped-in blocks are
+fresh (not re-registered in the prefix cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -87,6 +91,10 @@ class _Sequence:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _named(seq_ids: Sequence[Hashable]) -> str:
+    return f"sequence {seq_ids[0]!r}" if len(seq_ids) == 1 else f"sequences {', '.join(map(repr, seq_ids))}"
 
 
 class BlockManager:
@@ -120,6 +128,7 @@ class BlockManager:
         self.model_id = model_id
         self.num_host_blocks = swap_space // block_bytes if swap_space else 0
         self._host_free = list(range(self.num_host_blocks - 1, -1, -1))  # stack; pops 0 first
+        self._host_refs = [0] * self.num_host_blocks  # swapped-out sequences holding each host block
         self._seqs: dict[Hashable, _Sequence] = {}
         self._memo: tuple[tuple, list[bytes]] | None = None  # (prompt blocks, extra keys) -> hashes
 
@@ -291,53 +300,100 @@ class BlockManager:
         for b in reversed(s.blocks):
             self.pool.free(b)
         if s.host_blocks is not None:
-            self._host_free.extend(reversed(s.host_blocks))
+            self._release_host(s.host_blocks)
 
     # ---- swap space -----------------------------------------------------------------
 
-    def can_swap_out(self, seq_id: Hashable) -> bool:
-        """Whether the host pool has room for the sequence; if not, preempt by recompute."""
-        return len(self._on_device(seq_id).blocks) <= len(self._host_free)
+    def can_swap_out(self, *seq_ids: Hashable) -> bool:
+        """Whether the host pool has room for the sequences; if not, preempt by recompute."""
+        return len({b.block_id for i in seq_ids for b in self._on_device(i).blocks}) <= len(self._host_free)
 
-    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
-        """Move a sequence's blocks to the host pool and free them on the device.
+    def swap_out(self, *seq_ids: Hashable) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to the host pool and free them on the device. A block
+        they share goes to one host block they all hold.
 
         Returns:
           ``(device_block, host_block)`` copies to apply before the blocks are reused.
 
         Raises:
-          SwapSpaceFull: the host pool lacks room; ``free`` it and recompute it later.
+          SwapSpaceFull: the host pool lacks room; ``free`` them and recompute them later.
         """
-        s = self._on_device(seq_id)
-        if len(s.blocks) > len(self._host_free):
-            raise SwapSpaceFull(f"sequence {seq_id!r} needs {len(s.blocks)} host blocks; {len(self._host_free)} "
-                                f"of {self.num_host_blocks} are free. Preempt it by recompute: free it.")
-        s.host_blocks = [self._host_free.pop() for _ in s.blocks]
-        copies = [(b.block_id, h) for b, h in zip(s.blocks, s.host_blocks)]
-        for b in reversed(s.blocks):
-            self.pool.free(b)
-        s.blocks = []
+        seqs = [self._on_device(i) for i in seq_ids]
+        need = len({b.block_id for s in seqs for b in s.blocks})
+        if need > len(self._host_free):
+            one = len(seq_ids) == 1
+            raise SwapSpaceFull(f"{_named(seq_ids)} need{'s' if one else ''} {need} host blocks; "
+                                f"{len(self._host_free)} of {self.num_host_blocks} are free. "
+                                f"Preempt {'it' if one else 'them'} by recompute: free {'it' if one else 'them'}.")
+        host: dict[int, int] = {}  # device block -> its host block
+        copies = []
+        for s in seqs:
+            for b in s.blocks:
+                if b.block_id not in host:
+                    host[b.block_id] = self._host_free.pop()
+                    copies.append((b.block_id, host[b.block_id]))
+            s.host_blocks = [host[b.block_id] for b in s.blocks]
+            for h in s.host_blocks:
+                self._host_refs[h] += 1
+        for s in seqs:
+            for b in reversed(s.blocks):
+                self.pool.free(b)
+            s.blocks = []
         return copies
 
-    def can_swap_in(self, seq_id: Hashable) -> bool:
-        """Whether ``swap_in`` can bring the sequence back and keep the watermark free."""
-        return self._admissible(len(self._swapped(seq_id).host_blocks))
+    def swap_in_blocks(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int] = ()) -> int:
+        """Free device blocks that ``swap_in(*seq_ids)`` and then ``append_slots`` of
+        ``num_new_tokens[i]`` to each take (new blocks and copy-on-write copies)."""
+        seqs = [self._swapped(i) for i in seq_ids]
+        holders: dict[int, int] = {}  # host block -> sequences of the group holding it
+        for s in seqs:
+            for h in s.host_blocks:
+                holders[h] = holders.get(h, 0) + 1
+        need, writers = len(holders), {}
+        for s, n in itertools.zip_longest(seqs, num_new_tokens, fillvalue=0):
+            if n:
+                need += _cdiv(s.num_tokens + n, self.block_size) - len(s.host_blocks)
+                last = s.host_blocks[-1] if s.host_blocks else None
+                if s.num_tokens % self.block_size and holders.get(last, 0) > 1:  # shared and partly filled
+                    writers[last] = writers.get(last, 0) + 1
+        # Every writer into a shared last block copies it but the last one holding it.
+        return need + sum(min(w, holders[h] - 1) for h, w in writers.items())
 
-    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
-        """Bring a swapped-out sequence back into fresh device blocks.
+    def can_swap_in(self, *seq_ids: Hashable) -> bool:
+        """Whether ``swap_in`` can bring the sequences back and keep the watermark free."""
+        return self._admissible(self.swap_in_blocks(seq_ids))
+
+    def swap_in(self, *seq_ids: Hashable) -> list[tuple[int, int]]:
+        """Bring swapped-out sequences back into fresh device blocks; a host block several of
+        them hold comes back as one device block they share.
 
         Returns:
           ``(host_block, device_block)`` copies to apply before the step.
         """
-        s = self._swapped(seq_id)
-        if len(s.host_blocks) > self.pool.num_free:
-            raise RuntimeError(f"sequence {seq_id!r} needs {len(s.host_blocks)} blocks; "
-                               f"{self.pool.num_free} are free")
-        s.blocks = [self.pool.allocate() for _ in s.host_blocks]
-        copies = [(h, b.block_id) for h, b in zip(s.host_blocks, s.blocks)]
-        self._host_free.extend(reversed(s.host_blocks))
-        s.host_blocks = None
+        seqs = [self._swapped(i) for i in seq_ids]
+        need = self.swap_in_blocks(seq_ids)
+        if need > self.pool.num_free:
+            raise RuntimeError(f"{_named(seq_ids)}: {need} blocks needed; {self.pool.num_free} are free")
+        device: dict[int, Block] = {}  # host block -> its device block
+        copies = []
+        for s in seqs:
+            for h in s.host_blocks:
+                if h in device:
+                    self.pool.share(device[h])
+                else:
+                    device[h] = self.pool.allocate()
+                    copies.append((h, device[h].block_id))
+            s.blocks = [device[h] for h in s.host_blocks]
+        for s in seqs:
+            self._release_host(s.host_blocks)
+            s.host_blocks = None
         return copies
+
+    def _release_host(self, host_blocks: list[int]) -> None:
+        for h in reversed(host_blocks):
+            self._host_refs[h] -= 1
+            if not self._host_refs[h]:
+                self._host_free.append(h)
 
     # ---- queries --------------------------------------------------------------------
 
@@ -358,6 +414,10 @@ class BlockManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block of each logical block of an on-device sequence."""
         return [b.block_id for b in self._on_device(seq_id).blocks]
+
+    def host_block_table(self, seq_id: Hashable) -> list[int]:
+        """Host block of each logical block of a swapped-out sequence."""
+        return list(self._swapped(seq_id).host_blocks)
 
     def slot(self, seq_id: Hashable, position: int) -> int:
         """Slot ``block * block_size + offset`` of the token at ``position``."""
@@ -433,14 +493,15 @@ class BlockManager:
         """
         bs = self.block_size
         refs = [0] * len(self.pool.blocks)
-        host_held: list[int] = []
+        host_refs = [0] * self.num_host_blocks
         for sid, s in self._seqs.items():
             invariant(0 <= s.num_computed_tokens <= s.num_tokens,
                       f"sequence {sid!r}: {s.num_computed_tokens} computed of {s.num_tokens} tokens")
             if s.host_blocks is not None:
                 invariant(not s.blocks and len(s.host_blocks) == _cdiv(s.num_tokens, bs),
                           f"swapped sequence {sid!r}: {len(s.blocks)} device, {len(s.host_blocks)} host blocks")
-                host_held += s.host_blocks
+                for h in s.host_blocks:
+                    host_refs[h] += 1
                 continue
             invariant(len(s.blocks) == _cdiv(s.num_tokens, bs),
                       f"sequence {sid!r}: {len(s.blocks)} blocks for {s.num_tokens} tokens")
@@ -452,7 +513,8 @@ class BlockManager:
                     invariant(i >= len(s.block_hashes) or s.block_hashes[i] == b.block_hash,
                               f"sequence {sid!r} holds block {b.block_id}, cached for other tokens")
         self.pool.check_invariants(refs)
-        invariant(sorted(host_held + self._host_free) == list(range(self.num_host_blocks)),
+        invariant(host_refs == self._host_refs, "host block reference counts disagree with the swapped tables")
+        invariant(sorted([h for h, n in enumerate(host_refs) if n] + self._host_free) == list(range(self.num_host_blocks)),
                   "host blocks leaked or held twice")
 
     # ---- internals ------------------------------------------------------------------

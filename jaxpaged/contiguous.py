@@ -143,18 +143,26 @@ class ContiguousBlockManager:
         self._free_regions.append(self._get(seq_id).region)
         del self._seqs[seq_id]
 
-    def can_swap_out(self, seq_id: Hashable) -> bool:
+    def can_swap_out(self, *seq_ids: Hashable) -> bool:
         """Always false: no swap space; preempt by recompute."""
-        self._get(seq_id)
+        for i in seq_ids:
+            self._get(i)
         return False
 
-    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
-        raise SwapSpaceFull(f"the contiguous baseline has no swap space; preempt {seq_id!r} by recompute: free it")
+    def swap_out(self, *seq_ids: Hashable) -> list[tuple[int, int]]:
+        raise SwapSpaceFull(f"the contiguous baseline has no swap space; preempt {', '.join(map(repr, seq_ids))} "
+                            f"by recompute: free them")
 
-    def can_swap_in(self, seq_id: Hashable) -> bool:
-        raise ValueError(f"sequence {seq_id!r} is not swapped out")
+    def can_swap_in(self, *seq_ids: Hashable) -> bool:
+        raise ValueError(f"sequences {', '.join(map(repr, seq_ids))} are not swapped out")
 
-    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
+    def swap_in_blocks(self, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int] = ()) -> int:
+        raise ValueError(f"sequences {', '.join(map(repr, seq_ids))} are not swapped out")
+
+    def swap_in(self, *seq_ids: Hashable) -> list[tuple[int, int]]:
+        raise ValueError(f"sequences {', '.join(map(repr, seq_ids))} are not swapped out")
+
+    def host_block_table(self, seq_id: Hashable) -> list[int]:
         raise ValueError(f"sequence {seq_id!r} is not swapped out")
 
     def __contains__(self, seq_id: Hashable) -> bool:

@@ -19,7 +19,10 @@ Deciding a step, in this order:
 Preemption frees every block of a request: ``"recompute"`` sends it back to the waiting
 queue (its prompt and output are prefilled again later, and hit the prefix cache if it
 is on); ``"swap"`` first copies its blocks to the host pool, and falls back to recompute
-when that is full.
+when that is full. Either way a request's samples or beams keep sharing the blocks they
+shared: swapped, they go out and come back together; recomputed, their common prefix is
+computed once and they fork from it where they part (``Request.pending_forks``). So the
+pool a request needs does not grow with its preemptions.
 
 Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
 
@@ -27,11 +30,11 @@ Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
   waiting or preempted one. So a request is only preempted for an older one, and the
   oldest running request is never preempted.
 - **Progress.** Every step either advances the oldest running request, or finishes a
-  request. A request that cannot fit the pool even alone (its sequences outgrew it, or
-  after a recompute its samples no longer share their blocks) is finished: its live
-  sequences with ``finish_reason="length"`` and a ``finish_detail`` saying why (samples and
-  beam hypotheses that finished before keep their own reason), and a warning is logged;
-  the engine goes on. Nothing raises out of a step because of traffic.
+  request. A request that cannot fit the pool even alone (its sequences outgrew it; never
+  one that fits it alone on the same engine) is finished: its live sequences with
+  ``finish_reason="length"`` and a ``finish_detail`` saying why (samples and beam
+  hypotheses that finished before keep their own reason), and a warning is logged; the
+  engine goes on. Nothing raises out of a step because of traffic.
 - **Bounded preemption.** Since only older requests preempt it, a request is preempted
   at most once per block (or region) its elders allocate while it runs; once it is the
   oldest, never again.
@@ -70,6 +73,15 @@ from jaxpaged.sequence import Request, RequestStatus, Sequence
 from jaxpaged.stopping import check_stop, is_stop_token
 
 log = logging.getLogger(__name__)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclasses.dataclass
@@ -195,13 +207,16 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            live = req.live_seqs()
+            if req.pending_forks and not (forked := self._refork(req, out)):
+                i += forked is None
+                continue  # req was preempted or finished; running[i] is the next one
+            live = req.running_seqs()
             if budget < len(live):
                 break  # budget spent; later requests wait one step (they keep their blocks)
             if self._waits_for_tokens(req, live):
                 i += 1
                 continue
-            plan = self._plan(live, budget)
+            plan = self._plan(req, live, budget)
             reserved = self._reserve(req, plan, out)
             if reserved is None:  # it would be cut, but a token it sampled is still pending
                 i += 1
@@ -235,17 +250,21 @@ class Scheduler:
                    (p.max_tokens is not None and s.num_output_tokens + s.num_pending >= p.max_tokens) for s in live)
 
     @staticmethod
-    def _plan(live: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
-        """Next tokens of each live sequence, so that all of them reach a common end position."""
-        end = min(live[0].num_tokens, min(s.num_computed_tokens for s in live) + budget // len(live))
+    def _plan(req: Request, live: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
+        """Next tokens of ``req``'s running sequences ``live``, so that all of them reach a common
+        end position: the next token to sample, or the position of the next pending fork."""
+        stop = req.pending_forks[0][0] if req.pending_forks else live[0].num_tokens
+        end = min(stop, min(s.num_computed_tokens for s in live) + budget // len(live))
         return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live if end > s.num_computed_tokens]
 
     def _num_forks(self, req: Request, plan=None) -> int:
-        """Forks ``req`` makes when ``plan`` runs (if its chunk reaches a token to sample);
-        with no plan, every fork it has yet to make."""
+        """Forks ``req``'s samples make when ``plan`` runs (if its chunk reaches a token to
+        sample); with no plan, every fork it has yet to make, pending recompute forks included."""
         if req.params.n == 1 and not req.is_beam_search:
             return 0
-        if plan is not None and not any(start + n == seq.num_tokens for seq, start, n in plan):
+        if plan is None:
+            return req.max_live_seqs - len(req.live_seqs()) + len(req.pending_forks)
+        if not any(start + n == seq.num_tokens for seq, start, n in plan):
             return 0
         return req.max_live_seqs - len(req.live_seqs())
 
@@ -273,6 +292,23 @@ class Scheduler:
         self._forks += forks
         return True
 
+    def _refork(self, req: Request, out: SchedulerOutput) -> bool | None:
+        """Make the pending forks whose position ``req``'s running sequences have reached (its
+        K/V is written, or will be by the steps already scheduled): each child shares its
+        parent's blocks and computes its own tokens from there. False if ``req`` was preempted
+        or finished instead, None if nothing was done (see ``_make_room``)."""
+        at = req.running_seqs()[0].num_computed_tokens
+        while req.pending_forks and req.pending_forks[0][0] <= at:
+            while not self.kv.can_fork(self._forks + 1):
+                if not (made := self._make_room(req, out)):
+                    return made
+            _, parent, child = req.pending_forks.pop(0)
+            out.block_ops += [("copy", a, b) for a, b in self.kv.fork(parent.seq_id, child.seq_id)]
+            child.num_computed_tokens = at
+            # As far as the host is concerned (async scheduling: the parent's update may come later).
+            self.kv.mark_computed(child.seq_id, at, child.token_ids)
+        return True
+
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool | None:
         """Preempt the newest running request. When that is ``req`` alone, nothing else holds
         memory: it can never fit, so finish it. False when ``req`` is gone either way; None
@@ -297,7 +333,7 @@ class Scheduler:
             swapped = bool(self.swapped) and (not self.waiting
                                               or self.swapped[0].arrival_index < self.waiting[0].arrival_index)
             req = self.swapped[0] if swapped else self.waiting[0]
-            if num_seqs + req.max_live_seqs > self.max_num_seqs or budget < len(req.live_seqs()):
+            if num_seqs + req.max_live_seqs > self.max_num_seqs or budget < len(req.running_seqs()):
                 return
             plan = self._swap_in(req, budget, out) if swapped else self._admit(req, budget, out)
             if plan is None:
@@ -319,15 +355,15 @@ class Scheduler:
 
     def _swap_in(self, req: Request, budget: int, out: SchedulerOutput):
         """Swap ``req`` in with its next chunk's slots, or None if that does not fit now."""
-        plan = self._plan(req.live_seqs(), budget)
+        live = req.running_seqs()
+        plan = self._plan(req, live, budget)
         ends = {seq.seq_id: start + n for seq, start, n in plan}
-        bs = self.kv.block_size
-        need = sum(-(-max(self.kv.num_tokens(s.seq_id), ends.get(s.seq_id, 0)) // bs) for s in req.live_seqs())
+        ids = [s.seq_id for s in live]
+        need = self.kv.swap_in_blocks(ids, [max(ends.get(i, 0) - self.kv.num_tokens(i), 0) for i in ids])
         reserve = self.kv.watermark_blocks if self.running else 0
         if self.kv.num_allocatable_blocks - need < reserve or not self.kv.can_fork(self._forks + self._num_forks(req)):
             return None
-        for s in req.live_seqs():
-            out.block_ops += [("in", h, d) for h, d in self.kv.swap_in(s.seq_id)]
+        out.block_ops += [("in", h, d) for h, d in self.kv.swap_in(*ids)]
         for seq, start, n in plan:
             extra = start + n - self.kv.num_tokens(seq.seq_id)
             if extra > 0:
@@ -336,7 +372,13 @@ class Scheduler:
         return plan
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput):
-        """Allocate every live sequence of a waiting request and plan its first chunk, or None."""
+        """Allocate a waiting request's first sequence and plan its first chunk, or None.
+
+        A request preempted by recompute with several live sequences (samples, beams)
+        recomputes what they share once: the first sequence alone up to where another parts
+        from it, which then forks and goes on with it (``pending_forks``), and so on. So they
+        share the blocks they shared before the preemption, and fit the pool as they did.
+        """
         live = req.live_seqs()
         assert not any(s.num_pending for s in live), "admitted before its tokens reached the host"
         try:
@@ -345,22 +387,23 @@ class Scheduler:
             self._finish_for_capacity(req, out, str(e))
             return None
         salt = self._salt(req)
-        allocated = []
-        for s in live:
-            if not self.kv.can_allocate(s.token_ids, cache_salt=salt, num_new_tokens=budget // len(live)):
-                break
-            s.num_computed_tokens = self.kv.allocate(s.seq_id, s.token_ids, cache_salt=salt,
-                                                     num_new_tokens=budget // len(live))
-            allocated.append(s)
-        plan = self._plan(req.live_seqs(), budget) if len(allocated) == len(live) else None
+        first = live[0]
+        req.pending_forks = self._fork_plan(live)
+        # Up to the first fork only: a prefix hit must not reach past it.
+        tokens = first.token_ids[:req.pending_forks[0][0]] if req.pending_forks else first.token_ids
+        plan = None
+        if self.kv.can_allocate(tokens, cache_salt=salt, num_new_tokens=budget):
+            first.num_computed_tokens = self.kv.allocate(first.seq_id, tokens, cache_salt=salt, num_new_tokens=budget)
+            plan = self._plan(req, [first], budget)
         # Room for every fork it has yet to make, not only this chunk's: admitted on its prompt's
         # region alone while older requests hold the rest (contiguous allocator), a request whose
         # first token comes in a later chunk would preempt itself there, recompute its prompt and
         # meet the same wall, once per step until they finish.
         if plan is None or not self.kv.can_fork(self._forks + self._num_forks(req)):
-            for s in allocated:
-                self.kv.free(s.seq_id)
-                s.num_computed_tokens = 0
+            if plan is not None:
+                self.kv.free(first.seq_id)
+                first.num_computed_tokens = 0
+            req.pending_forks = []
             if not self.running:  # nothing else holds memory: it will never fit
                 self._finish_for_capacity(req, out, f"its {len(live)} sequence(s) of {len(live[0].token_ids)} "
                                                     f"tokens do not fit the KV pool ({self.kv.num_usable_blocks} "
@@ -370,6 +413,19 @@ class Scheduler:
         if live[0].num_output_tokens == 0:
             req.num_cached_tokens = live[0].num_computed_tokens
         return plan
+
+    @staticmethod
+    def _fork_plan(live: list[Sequence]) -> list[tuple[int, Sequence, Sequence]]:
+        """The forks that rebuild several live sequences from the first: each forks from the
+        earliest one it shares its longest prefix with, where they part (at the latest before
+        its last token, which it computes itself to sample its next). In order of position:
+        a parent's own fork is never later than its children's."""
+        forks = []
+        for i, seq in enumerate(live[1:], 1):
+            shared = [_common_prefix(seq.token_ids, p.token_ids) for p in live[:i]]
+            j = shared.index(max(shared))
+            forks.append((min(shared[j], len(seq.token_ids) - 1, len(live[j].token_ids) - 1), live[j], seq))
+        return sorted(forks, key=lambda f: f[0])  # stable: a parent before its children at one position
 
     @staticmethod
     def _salt(req: Request) -> str | None:
@@ -385,23 +441,24 @@ class Scheduler:
         self.num_preemptions += 1
         req.metrics.num_preemptions += 1
         out.preempted.append(req)
-        seqs = req.live_seqs()
+        seqs = req.running_seqs()
         out.scheduled = [s for s in out.scheduled if s.seq.request is not req]
-        if self.preemption_mode == "swap" and sum(len(self.kv.block_table(s.seq_id)) for s in seqs) \
-                <= self.kv.num_free_host_blocks:
-            for s in seqs:
-                pairs = self.kv.swap_out(s.seq_id)
-                self.num_swapped_out_blocks += len(pairs)
-                out.block_ops += [("out", d, h) for d, h in pairs]
+        ids = [s.seq_id for s in seqs]
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(*ids):  # blocks they share stay shared
+            pairs = self.kv.swap_out(*ids)
+            self.num_swapped_out_blocks += len(pairs)
+            out.block_ops += [("out", d, h) for d, h in pairs]
             req.status = RequestStatus.SWAPPED
             self.swapped.appendleft(req)
             return
         self._free_for_recompute(req)
 
     def _free_for_recompute(self, req: Request) -> None:
-        for s in req.live_seqs():
+        for s in req.running_seqs():
             self.kv.free(s.seq_id)
+        for s in req.live_seqs():
             s.num_computed_tokens = 0
+        req.pending_forks = []
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

@@ -113,6 +113,11 @@ class Request:
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
         self.beam = beam  # beam search state: finished hypotheses; None when sampling
         self.aborted = False
+        # Recomputing several live sequences after a preemption: the forks still to make, as
+        # (position, parent, child) in order of position. A child holds no blocks until the
+        # sequences that do (``running_seqs``) have computed ``position`` tokens; then it
+        # forks from ``parent`` and shares its blocks (see ``Scheduler._admit``).
+        self.pending_forks: list[tuple[int, Sequence, Sequence]] = []
 
     @property
     def is_beam_search(self) -> bool:
@@ -129,6 +134,14 @@ class Request:
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]
+
+    def running_seqs(self) -> list[Sequence]:
+        """The live sequences that hold KV blocks and get scheduled: all of them, except
+        children still waiting for their fork (``pending_forks``)."""
+        if not self.pending_forks:
+            return self.live_seqs()
+        waiting = {id(c) for _, _, c in self.pending_forks}
+        return [s for s in self.seqs if not s.finished and id(s) not in waiting]
 
     @property
     def finished(self) -> bool:

@@ -469,6 +469,56 @@ def test_swapping_out_a_fork_leaves_the_sibling_its_blocks():
     bm.check_invariants()
 
 
+def test_forks_swapped_together_keep_sharing_their_blocks():
+    """A request's samples swap out as one group: a block they share is copied once, to one
+    host block, and comes back as one device block they share again (copy-on-write as before)."""
+    bm = BlockManager(16, BS, swap_space=8, block_bytes=1)
+    toks = list(range(10))  # 2 full blocks and a partly filled one
+    computed(bm, "a", toks)
+    bm.fork("a", "b")
+    bm.fork("a", "c")
+    assert decode(bm, "a", toks + [7]) and decode(bm, "b", toks + [8])  # both copy the shared last block
+    assert bm.can_swap_out("a", "b", "c")
+    out = bm.swap_out("a", "b", "c")
+    assert len(out) == 5 and bm.stats().num_host_blocks_used == 5  # 2 shared + a's, b's, c's own last
+    ha, hb, hc = (bm.host_block_table(s) for s in "abc")
+    assert ha[:2] == hb[:2] == hc[:2] and len({ha[2], hb[2], hc[2]}) == 3
+    assert bm.swap_in_blocks(["a", "b", "c"]) == 5
+    back = bm.swap_in("a", "b", "c")
+    assert sorted(h for h, _ in back) == sorted(h for _, h in out) and bm.stats().num_host_blocks_used == 0
+    ta, tb, tc = (bm.block_table(s) for s in "abc")
+    assert ta[:2] == tb[:2] == tc[:2] and all(bm.pool.blocks[b].ref_cnt == 3 for b in ta[:2])
+    bm.check_invariants()
+    # Swapped out apart, each takes its own copy of what they share (and comes back unshared).
+    assert bm.can_swap_out("a") and len(bm.swap_out("a")) == 3 and len(bm.swap_out("b", "c")) == 4
+    assert bm.swap_in_blocks(["b", "c"], [1, 0]) == 4 + 0  # b's last block is its own: no copy
+    bm.swap_in("b", "c")
+    bm.check_invariants()
+    for s in "abc":
+        bm.free(s)
+    assert bm.stats().num_used_blocks == 0 and bm.stats().num_host_blocks_used == 0
+    bm.check_invariants()
+
+
+def test_swap_in_counts_the_copy_of_a_shared_last_block():
+    bm = BlockManager(16, BS, swap_space=8, block_bytes=1)
+    toks = list(range(6))  # one full block and a shared, partly filled one
+    computed(bm, "a", toks)
+    for child in "bcd":
+        bm.fork("a", child)
+    bm.swap_out("a", "b", "c", "d")
+    assert bm.stats().num_host_blocks_used == 2
+    # Three of the four write into the shared last block: each copies it (the last holder
+    # would write in place), and one of them needs a new block too.
+    assert bm.swap_in_blocks(list("abcd"), [1, 1, 3, 0]) == 2 + 3 + 1
+    assert bm.swap_in_blocks(list("abcd"), [1, 1, 1, 1]) == 2 + 3
+    bm.swap_in(*"abcd")
+    free = bm.pool.num_free
+    copies = [c for s, n in zip("abcd", [1, 1, 3, 0]) if n for c in bm.append_slots(s, n)]
+    assert len(copies) == 3 and free - bm.pool.num_free == 4
+    bm.check_invariants()
+
+
 def test_host_pool_full_means_recompute():
     bm = BlockManager(16, BS, swap_space=2 * 64, block_bytes=64)
     computed(bm, "s", list(range(9)))  # 3 blocks, 2 host blocks
@@ -692,30 +742,41 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(sid)
         del self.seqs[sid]
 
-    @precondition(lambda self: self.seqs)
-    @rule(i=st.integers(0, 99))
-    def swap_out(self, i):
-        sid = self.pick(i, on_device=True)
-        if sid is None:
-            return
-        need = len(self.bm.block_table(sid))
-        if not self.bm.can_swap_out(sid):  # the host pool is full: recompute instead
-            assert need > self.NUM_HOST_BLOCKS - self.bm.stats().num_host_blocks_used
-            self.bm.free(sid)
-            del self.seqs[sid]
-            return
-        copies = self.bm.swap_out(sid)
-        self.apply(copies, self.device, self.host)
-        self.seqs[sid]["host"] = [h for _, h in copies]
+    def pick_group(self, picks, on_device):
+        return list(dict.fromkeys(sid for i in picks if (sid := self.pick(i, on_device=on_device)) is not None))
 
     @precondition(lambda self: self.seqs)
-    @rule(i=st.integers(0, 99))
-    def swap_in(self, i):
-        sid = self.pick(i, on_device=False)
-        if sid is None or not self.bm.can_swap_in(sid):
+    @rule(picks=st.lists(st.integers(0, 99), min_size=1, max_size=3))
+    def swap_out(self, picks):
+        """Swap out one sequence or several together (a request's samples): shared blocks once."""
+        ids = self.pick_group(picks, on_device=True)
+        if not ids:
             return
-        self.apply(self.bm.swap_in(sid), self.host, self.device)
-        self.seqs[sid]["host"] = None
+        need = len({b for sid in ids for b in self.bm.block_table(sid)})
+        if not self.bm.can_swap_out(*ids):  # the host pool is full: recompute instead
+            assert need > self.NUM_HOST_BLOCKS - self.bm.stats().num_host_blocks_used
+            for sid in ids:
+                self.bm.free(sid)
+                del self.seqs[sid]
+            return
+        copies = self.bm.swap_out(*ids)
+        assert len(copies) == need
+        self.apply(copies, self.device, self.host)
+        for sid in ids:
+            self.seqs[sid]["host"] = self.bm.host_block_table(sid)
+
+    @precondition(lambda self: self.seqs)
+    @rule(picks=st.lists(st.integers(0, 99), min_size=1, max_size=3))
+    def swap_in(self, picks):
+        ids = self.pick_group(picks, on_device=False)
+        if not ids or not self.bm.can_swap_in(*ids):
+            return
+        free = self.bm.pool.num_free
+        copies = self.bm.swap_in(*ids)
+        assert free - self.bm.pool.num_free == len(copies) == len({h for sid in ids for h in self.seqs[sid]["host"]})
+        self.apply(copies, self.host, self.device)
+        for sid in ids:
+            self.seqs[sid]["host"] = None
 
     # checks
     def check_reads(self, sid):

@@ -229,3 +229,33 @@ def test_contiguous_request_waits_for_its_forks_regions_instead_of_churning(tiny
     assert [c.token_ids for c in outs[rid].outputs] == [c.token_ids for c in ref.outputs]
     assert len(outs[older].outputs[0].token_ids) == 20
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=87, n=3, max_tokens=6, ignore_eos=True),
+    SamplingParams(use_beam_search=True, beam_width=3, n=3, temperature=0, max_tokens=6, ignore_eos=True)],
+    ids=["samples", "beams"])
+def test_preempted_samples_share_their_blocks_again(tiny_engine_model, params, preemption_mode):
+    """Before (the thirty-eighth session's fuzzing): preempted by recompute, the three samples
+    were prefilled one by one on blocks of their own, 3 x 5 blocks where together they had
+    held 9 of the pool's 11, and were cut after 3 tokens of 6 ("outgrew the KV pool"); swapped
+    out, they came back as unshared copies and met the same end. Now they recompute their
+    prompt once and fork from it (or swap out and in keeping what they share), and get the
+    tokens they get alone on the same pool."""
+    import random
+
+    random.seed(0)
+    p, q = ([random.randrange(100, 40000) for _ in range(30)] for _ in range(2))
+    llm = make(tiny_engine_model, block_size=8, num_blocks=12, max_num_batched_tokens=16,
+               enable_prefix_caching=False, preemption_mode=preemption_mode,
+               swap_space=1 << 20 if preemption_mode == "swap" else 0)
+    ref = llm.generate([p], params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in ref.outputs] == [6, 6, 6] and llm.stats()["num_preemptions"] == 0
+    older = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    out = llm.generate([q, p], [older, params], use_tqdm=False)[1]
+    s = llm.stats()
+    assert s["num_preemptions"] > 0 and (preemption_mode == "recompute") == (s["num_swapped_out_blocks"] == 0), s
+    assert [(c.token_ids, c.finish_reason, c.finish_detail) for c in out.outputs] == [
+        (c.token_ids, c.finish_reason, c.finish_detail) for c in ref.outputs]
+    assert_idle(llm)

@@ -23,6 +23,7 @@ was not aborted finished, no block (device or host) is in use, and no request wa
 preempted more often than the scheduler's bound allows.
 """
 
+import logging
 import sys
 
 import numpy as np
@@ -115,6 +116,27 @@ def assert_same_as_alone(res, alone, *, ties: bool = False) -> int:
     return compared
 
 
+def cut_only_where_alone(model, res) -> int:
+    """A request the engine cut for capacity under traffic is cut alone on the same engine too:
+    preempted and recomputed (or swapped), its sequences fit the pool as they did before (they
+    share the blocks they shared), so traffic never costs a request tokens. Returns how many
+    cut requests were checked."""
+    cut = [a for a, o in res.finished if id(o) in res.cut]
+    if not cut:
+        return 0
+    llm = traffic.engine(model, oracle=True, **res.round.engine)
+    for a in cut:
+        ids = set()
+        watcher = traffic._CutRequests(ids)
+        logging.getLogger("jaxpaged.scheduler").addHandler(watcher)
+        try:
+            out = llm.generate([a.prompt], a.params, use_tqdm=False)[0]
+        finally:
+            logging.getLogger("jaxpaged.scheduler").removeHandler(watcher)
+        assert ids == {out.request_id}, (res.round.seed, a, out)
+    return len(cut)
+
+
 def preemption_bound(res, block_size: int) -> None:
     """A request is preempted only for older ones, at most once per block they allocate."""
     outs = {id(a): o for a, o in res.finished}
@@ -148,7 +170,7 @@ def alone_engine(model, oracle: bool):
 def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
     alone = alone_engine(model, oracle)
     totals = dict(requests=0, finished=0, aborted=0, rejected=0, compared=0, preemptions=0, swapped_blocks=0,
-                  cut=0, forks=0, beams=0, stopped_by_string=0, contiguous=0, async_rounds=0, steps_ahead=0,
+                  cut=0, cut_alone_too=0, forks=0, beams=0, stopped_by_string=0, contiguous=0, async_rounds=0, steps_ahead=0,
                   dropped_tokens=0)
     for seed in rounds:
         rnd = traffic.make_round(seed, num_requests=num_requests, vocab_size=model.config.vocab_size,
@@ -156,6 +178,8 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
         res = traffic.run_round(model, rnd, oracle=oracle)
         assert res.max_live_seqs <= rnd.engine["max_num_seqs"]
         totals["compared"] += assert_same_as_alone(res, alone, ties=not oracle)
+        if oracle:
+            totals["cut_alone_too"] += cut_only_where_alone(model, res)
         if not res.aborted:
             preemption_bound(res, rnd.engine["block_size"])
         totals["requests"] += len(rnd.arrivals)
@@ -223,15 +247,24 @@ def test_random_traffic_1000_requests_on_the_tiny_model(small_vocab_engine_model
 
 
 def test_a_beam_that_finished_before_the_cut_keeps_its_own_reason(tiny_engine_model):
-    """Round 2845 (found by a longer run of the oracle tier): a beam search request outgrows
-    the pool after one of its beams stopped on a stop string. That hypothesis is what it
-    returns, with "stop" and no ``finish_detail``: only completions the cut ended carry one."""
-    rnd = traffic.make_round(2845, num_requests=ORACLE_REQUESTS, vocab_size=tiny_engine_model.config.vocab_size,
-                             any_geometry=True)
-    res = traffic.run_round(tiny_engine_model, rnd, oracle=True)
-    beams_cut = [o for a, o in res.finished if id(o) in res.cut and a.params.use_beam_search]
-    assert any(c.finish_reason == "stop" and c.finish_detail is None for o in beams_cut for c in o.outputs), beams_cut
-    assert assert_same_as_alone(res, alone_engine(tiny_engine_model, oracle=True)) == len(res.finished)
+    """A beam search request outgrows the pool after one of its beams stopped on a stop string
+    (round 2845 of the oracle tier found it under traffic; there it fits now that a recomputed
+    request shares its beams' blocks again, so the pool here is too small for it alone). That
+    hypothesis is what it returns, with "stop" and no ``finish_detail``: only completions the
+    cut ended carry one."""
+    from jaxpaged import SamplingParams
+
+    llm = traffic.engine(tiny_engine_model, oracle=True, block_size=4, num_blocks=10, max_model_len=64,
+                         max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False, debug_checks=True)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 20000, int(rng.integers(8, 20))).tolist()
+    params = SamplingParams(use_beam_search=True, beam_width=2, n=2, temperature=0, max_tokens=50, ignore_eos=True,
+                            stop=["x"])
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    (cut, detail), stopped = sorted((c.finish_reason, c.finish_detail) for c in out.outputs)
+    assert stopped == ("stop", None)
+    assert cut == "length" and detail.startswith("finished early: its 2 sequence(s)") and "outgrew the KV pool (9 " \
+        "blocks of 4 slots) with no other request running" in detail, detail
 
 
 def test_a_request_aborted_after_the_step_in_flight_cut_it_gives_no_output(tiny_engine_model):
