@@ -61,6 +61,12 @@ class KVAllocator(Protocol):
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """A child that holds the parent's K/V; returns the ``(src, dst)`` copies that takes."""
 
+    def fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int,
+                    token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        """A child sharing (or copying) the parent's first ``num_tokens`` positions, whole blocks,
+        then whatever of its own ``token_ids`` the prefix cache holds; returns its
+        ``num_computed_tokens`` and the ``(src, dst)`` copies that takes."""
+
     def free(self, seq_id: Hashable) -> None: ...
 
     def can_swap_out(self, *seq_ids: Hashable) -> bool: ...

@@ -293,6 +293,46 @@ class BlockManager:
         self._seqs[child_id] = dataclasses.replace(p, blocks=list(p.blocks), block_hashes=list(p.block_hashes))
         return []
 
+    def fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int,
+                    token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        """A child that shares the parent's first ``num_tokens`` positions (whole blocks), then
+        the prefix cache's blocks for what follows of its own ``token_ids``, up to its last
+        token: how a preempted request's samples come back (the parent's blocks past
+        ``num_tokens`` hold the parent's own tokens, so they are not shared).
+
+        Args:
+          parent_id: an on-device sequence with slots for ``num_tokens`` positions whose K/V
+            is written, or will be before the child's next step runs.
+          child_id: the new sequence's id.
+          num_tokens: a multiple of ``block_size``.
+          token_ids: the child's tokens; its first ``num_tokens`` are the parent's.
+
+        Returns:
+          ``(num_computed_tokens, [])``: positions of the child that hold K/V (``num_tokens``
+          and the hits after them); no copies.
+        """
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} is already allocated")
+        p, bs = self._on_device(parent_id), self.block_size
+        if num_tokens % bs or not 0 <= num_tokens <= min(p.num_tokens, len(token_ids) - 1):
+            raise ValueError(f"num_tokens={num_tokens} for a fork of sequence {parent_id!r}; must be a multiple "
+                             f"of {bs}, at most its {p.num_tokens} slots and before the child's last token")
+        k = num_tokens // bs
+        # The cached chain of the child's tokens: where it covers the shared blocks, its hits
+        # after them are this child's own blocks from before (same tokens, same K/V).
+        hashes = self._prompt_hashes(token_ids, p.extra_keys)[:(len(token_ids) - 1) // bs]
+        chain = self.pool.find_cached_prefix(token_ids, hashes, p.extra_keys)
+        blocks = p.blocks[:k] + chain[k:]
+        for b in blocks:
+            self.pool.share(b)
+        if self.enable_prefix_caching:
+            self.pool.stats.queries += len(token_ids) - num_tokens
+            self.pool.stats.hits += len(blocks) * bs - num_tokens
+        n, reg = len(blocks) * bs, min(len(chain), len(blocks))
+        parent = (chain[reg - 1].block_id, chain[reg - 1].generation) if reg else None
+        self._seqs[child_id] = _Sequence(blocks, n, n, p.extra_keys, list(hashes[:len(blocks)]), reg, parent)
+        return n, []
+
     def free(self, seq_id: Hashable) -> None:
         """Release a finished or preempted sequence's blocks, tail first, device or host."""
         s = self._get(seq_id)

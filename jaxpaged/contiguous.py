@@ -138,6 +138,28 @@ class ContiguousBlockManager:
         self._peak_regions = max(self._peak_regions, len(self._seqs))
         return list(zip(self.block_table(parent_id), self.block_table(child_id)))
 
+    def fork_prefix(self, parent_id: Hashable, child_id: Hashable, num_tokens: int,
+                    token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        """Reserve a region for ``child_id`` and copy the parent's first ``num_tokens`` positions
+        (whole blocks) into it; see ``BlockManager.fork_prefix``.
+
+        Returns:
+          ``(num_tokens, copies)``: the ``(src, dst)`` device block copies to apply first.
+        """
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} is already allocated")
+        p = self._get(parent_id)
+        if num_tokens % self.block_size or not 0 <= num_tokens <= min(p.num_tokens, len(token_ids) - 1):
+            raise ValueError(f"num_tokens={num_tokens} for a fork of sequence {parent_id!r}; must be a multiple "
+                             f"of {self.block_size}, at most its {p.num_tokens} slots and before the child's last "
+                             f"token")
+        if not self._free_regions:
+            raise RuntimeError(f"all {self.num_regions} regions are in use; cannot fork {parent_id!r}")
+        self._seqs[child_id] = _Reservation(self._free_regions.pop(), num_tokens, num_tokens)
+        self._peak_regions = max(self._peak_regions, len(self._seqs))
+        k = num_tokens // self.block_size
+        return num_tokens, list(zip(self.block_table(parent_id)[:k], self.block_table(child_id)))
+
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's region."""
         self._free_regions.append(self._get(seq_id).region)

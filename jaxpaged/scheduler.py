@@ -21,7 +21,8 @@ queue (its prompt and output are prefilled again later, and hit the prefix cache
 is on); ``"swap"`` first copies its blocks to the host pool, and falls back to recompute
 when that is full. Either way a request's samples or beams keep sharing the blocks they
 shared: swapped, they go out and come back together; recomputed, their common prefix is
-computed once and they fork from it where they part (``Request.pending_forks``). So the
+computed once and each forks from it at the last whole block they share
+(``Request.pending_forks``), then takes the prefix cache's blocks of its own tokens. So the
 pool a request needs does not grow with its preemptions.
 
 Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
@@ -293,20 +294,17 @@ class Scheduler:
         return True
 
     def _refork(self, req: Request, out: SchedulerOutput) -> bool | None:
-        """Make the pending forks whose position ``req``'s running sequences have reached (its
-        K/V is written, or will be by the steps already scheduled): each child shares its
-        parent's blocks and computes its own tokens from there. False if ``req`` was preempted
-        or finished instead, None if nothing was done (see ``_make_room``)."""
-        at = req.running_seqs()[0].num_computed_tokens
-        while req.pending_forks and req.pending_forks[0][0] <= at:
+        """Make the pending forks whose parent has computed their position (its K/V there is
+        written, or will be by the steps already scheduled): each child shares the parent's
+        blocks up to there and takes prefix-cache hits for its own tokens after them. False if
+        ``req`` was preempted or finished instead, None if nothing was done (see ``_make_room``)."""
+        while req.pending_forks and req.pending_forks[0][1].num_computed_tokens >= req.pending_forks[0][0]:
             while not self.kv.can_fork(self._forks + 1):
                 if not (made := self._make_room(req, out)):
                     return made
-            _, parent, child = req.pending_forks.pop(0)
-            out.block_ops += [("copy", a, b) for a, b in self.kv.fork(parent.seq_id, child.seq_id)]
-            child.num_computed_tokens = at
-            # As far as the host is concerned (async scheduling: the parent's update may come later).
-            self.kv.mark_computed(child.seq_id, at, child.token_ids)
+            at, parent, child = req.pending_forks.pop(0)
+            child.num_computed_tokens, copies = self.kv.fork_prefix(parent.seq_id, child.seq_id, at, child.token_ids)
+            out.block_ops += [("copy", a, b) for a, b in copies]
         return True
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool | None:
@@ -372,12 +370,14 @@ class Scheduler:
         return plan
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput):
-        """Allocate a waiting request's first sequence and plan its first chunk, or None.
+        """Allocate a waiting request and plan its first chunk, or None.
 
         A request preempted by recompute with several live sequences (samples, beams)
-        recomputes what they share once: the first sequence alone up to where another parts
-        from it, which then forks and goes on with it (``pending_forks``), and so on. So they
-        share the blocks they shared before the preemption, and fit the pool as they did.
+        recomputes what they share once: a sequence that shares whole blocks with an earlier
+        one forks from it at the last such block boundary once that one has computed it
+        (``pending_forks``), and takes prefix-cache hits for its own tokens after it; only
+        the others are allocated now. So they share the blocks they shared before the
+        preemption, and fit the pool as they did.
         """
         live = req.live_seqs()
         assert not any(s.num_pending for s in live), "admitted before its tokens reached the host"
@@ -387,22 +387,33 @@ class Scheduler:
             self._finish_for_capacity(req, out, str(e))
             return None
         salt = self._salt(req)
-        first = live[0]
-        req.pending_forks = self._fork_plan(live)
-        # Up to the first fork only: a prefix hit must not reach past it.
-        tokens = first.token_ids[:req.pending_forks[0][0]] if req.pending_forks else first.token_ids
-        plan = None
-        if self.kv.can_allocate(tokens, cache_salt=salt, num_new_tokens=budget):
-            first.num_computed_tokens = self.kv.allocate(first.seq_id, tokens, cache_salt=salt, num_new_tokens=budget)
-            plan = self._plan(req, [first], budget)
+        forks = self._fork_plan(live)
+        # Sequences that share no whole block with an earlier one are allocated now, the others
+        # fork later (pending_forks).
+        roots = [live[0]] + [c for at, _, c in forks if at == 0]
+        req.pending_forks = [f for f in forks if f[0] > 0]
+        first_fork: dict[int, int] = {}
+        for at, parent, _ in req.pending_forks:
+            first_fork.setdefault(id(parent), at)
+        chunk = budget // len(roots)
+        allocated = []
+        for s in roots:
+            # Up to its first fork only, so that its first chunk leads there (its prefix hits stop
+            # short of it): a plan with nothing to compute would make the step an empty one.
+            tokens = s.token_ids[:first_fork.get(id(s), len(s.token_ids))]
+            if not self.kv.can_allocate(tokens, cache_salt=salt, num_new_tokens=chunk):
+                break
+            s.num_computed_tokens = self.kv.allocate(s.seq_id, tokens, cache_salt=salt, num_new_tokens=chunk)
+            allocated.append(s)
+        plan = self._plan(req, roots, budget) if len(allocated) == len(roots) else None
         # Room for every fork it has yet to make, not only this chunk's: admitted on its prompt's
         # region alone while older requests hold the rest (contiguous allocator), a request whose
         # first token comes in a later chunk would preempt itself there, recompute its prompt and
         # meet the same wall, once per step until they finish.
         if plan is None or not self.kv.can_fork(self._forks + self._num_forks(req)):
-            if plan is not None:
-                self.kv.free(first.seq_id)
-                first.num_computed_tokens = 0
+            for s in allocated:
+                self.kv.free(s.seq_id)
+                s.num_computed_tokens = 0
             req.pending_forks = []
             if not self.running:  # nothing else holds memory: it will never fit
                 self._finish_for_capacity(req, out, f"its {len(live)} sequence(s) of {len(live[0].token_ids)} "
@@ -414,17 +425,18 @@ class Scheduler:
             req.num_cached_tokens = live[0].num_computed_tokens
         return plan
 
-    @staticmethod
-    def _fork_plan(live: list[Sequence]) -> list[tuple[int, Sequence, Sequence]]:
+    def _fork_plan(self, live: list[Sequence]) -> list[tuple[int, Sequence, Sequence]]:
         """The forks that rebuild several live sequences from the first: each forks from the
-        earliest one it shares its longest prefix with, where they part (at the latest before
-        its last token, which it computes itself to sample its next). In order of position:
-        a parent's own fork is never later than its children's."""
-        forks = []
+        earliest one it shares its longest prefix with, at the last block boundary before they
+        part (and before its last token, which it computes itself to sample its next): the
+        blocks they shared before. In order of position: a parent's own fork is never later
+        than its children's."""
+        bs, forks = self.kv.block_size, []
         for i, seq in enumerate(live[1:], 1):
             shared = [_common_prefix(seq.token_ids, p.token_ids) for p in live[:i]]
             j = shared.index(max(shared))
-            forks.append((min(shared[j], len(seq.token_ids) - 1, len(live[j].token_ids) - 1), live[j], seq))
+            at = min(shared[j], len(seq.token_ids) - 1, len(live[j].token_ids) - 1) // bs * bs
+            forks.append((at, live[j], seq))
         return sorted(forks, key=lambda f: f[0])  # stable: a parent before its children at one position
 
     @staticmethod
@@ -441,9 +453,17 @@ class Scheduler:
         self.num_preemptions += 1
         req.metrics.num_preemptions += 1
         out.preempted.append(req)
-        seqs = req.running_seqs()
         out.scheduled = [s for s in out.scheduled if s.seq.request is not req]
-        ids = [s.seq_id for s in seqs]
+        if self.preemption_mode == "swap":
+            # Forks it would have made this step first (they only share blocks): swapped back
+            # in at its fork position with them unmade, it would have nothing to compute.
+            while req.pending_forks and req.pending_forks[0][1].num_computed_tokens >= req.pending_forks[0][0]:
+                at, parent, child = req.pending_forks.pop(0)
+                # Its tokens up to the fork position only: no prefix hits (they would take free blocks).
+                child.num_computed_tokens, copies = self.kv.fork_prefix(parent.seq_id, child.seq_id, at,
+                                                                        child.token_ids[:at + 1])
+                out.block_ops += [("copy", a, b) for a, b in copies]
+        ids = [s.seq_id for s in req.running_seqs()]
         if self.preemption_mode == "swap" and self.kv.can_swap_out(*ids):  # blocks they share stay shared
             pairs = self.kv.swap_out(*ids)
             self.num_swapped_out_blocks += len(pairs)

@@ -114,9 +114,9 @@ class Request:
         self.beam = beam  # beam search state: finished hypotheses; None when sampling
         self.aborted = False
         # Recomputing several live sequences after a preemption: the forks still to make, as
-        # (position, parent, child) in order of position. A child holds no blocks until the
-        # sequences that do (``running_seqs``) have computed ``position`` tokens; then it
-        # forks from ``parent`` and shares its blocks (see ``Scheduler._admit``).
+        # (position, parent, child) in order of position. A child holds no blocks until its
+        # parent has computed ``position`` tokens (a block boundary); then it shares the
+        # parent's blocks up to there (see ``Scheduler._admit``).
         self.pending_forks: list[tuple[int, Sequence, Sequence]] = []
 
     @property

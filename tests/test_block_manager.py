@@ -519,6 +519,39 @@ def test_swap_in_counts_the_copy_of_a_shared_last_block():
     bm.check_invariants()
 
 
+def test_fork_prefix_shares_whole_blocks_then_takes_the_childs_own_cached_blocks():
+    """How a preempted sample comes back: the first sample's whole prompt blocks, then the
+    blocks of its own output that the prefix cache still holds (not the first sample's)."""
+    bm = BlockManager(32, BS)
+    prompt = list(range(10))  # 2 whole blocks and 2 tokens
+    mine, theirs = prompt + [50, 51, 52, 53, 54, 55, 56], prompt + [60, 61, 62, 63, 64, 65, 66]
+    computed(bm, "old", mine)  # the sample before its preemption: its blocks stay cached
+    bm.free("old")
+    computed(bm, "root", theirs[:12])
+    root = bm.block_table("root")
+    n, copies = bm.fork_prefix("root", "child", 8, mine)
+    assert copies == [] and n == 16  # blocks 0-1 shared, block 2 ([8, 9, 50, 51]) and 3 its own, cached
+    table = bm.block_table("child")
+    assert table[:2] == root[:2] and table[2] != root[2] and bm.num_computed_tokens("child") == 16
+    assert all(bm.pool.blocks[b].ref_cnt == 2 for b in root[:2])
+    assert bm.append_slots("child", 1) == []  # its last token, in a block of its own
+    bm.mark_computed("child", 17, mine)
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="multiple of 4"):
+        bm.fork_prefix("root", "c2", 6, mine)
+    with pytest.raises(ValueError, match="before the child's last token"):
+        bm.fork_prefix("root", "c2", 8, mine[:8])
+    # Prefix caching off: the whole blocks only.
+    off = BlockManager(32, BS, enable_prefix_caching=False)
+    computed(off, "root", theirs[:12])
+    assert off.fork_prefix("root", "child", 8, mine) == (8, [])
+    # The contiguous baseline copies the parent's blocks into a region of the child's.
+    cb = ContiguousBlockManager(17, BS, max_model_len=32)
+    computed(cb, "root", theirs[:12])
+    assert cb.fork_prefix("root", "child", 8, mine) == (8, [(1, 9), (2, 10)])
+    assert cb.num_tokens("child") == 8 and cb.block_table("child") == [9, 10]
+
+
 def test_host_pool_full_means_recompute():
     bm = BlockManager(16, BS, swap_space=2 * 64, block_bytes=64)
     computed(bm, "s", list(range(9)))  # 3 blocks, 2 host blocks
@@ -734,6 +767,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child, self.next_id = self.next_id, self.next_id + 1
         assert self.bm.fork(parent, child) == []
         self.seqs[child] = dict(self.seqs[parent], tokens=list(self.seqs[parent]["tokens"]))
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), blocks=st.integers(0, 5), cut=st.integers(0, 40),
+          extra=st.lists(st.integers(0, 3), max_size=8))
+    def fork_prefix(self, i, blocks, cut, extra):
+        """A recomputed sample: the parent's first whole blocks, then its own tokens (often
+        another sequence's, so the prefix cache has blocks for them)."""
+        parent = self.pick(i, on_device=True)
+        if parent is None:
+            return
+        ptoks, k = self.seqs[parent]["tokens"], min(blocks, self.bm.num_tokens(parent) // BS)
+        tokens = ptoks[:max(k * BS, min(cut, len(ptoks)))] + extra
+        if len(tokens) <= k * BS or len(tokens) > self.MAX_LEN:
+            return
+        child, self.next_id = self.next_id, self.next_id + 1
+        computed, copies = self.bm.fork_prefix(parent, child, k * BS, tokens)
+        assert copies == [] and computed % BS == 0 and k * BS <= computed <= len(tokens) - 1
+        assert self.bm.block_table(child)[:k] == self.bm.block_table(parent)[:k]
+        self.seqs[child] = dict(tokens=list(tokens), salt=self.seqs[parent]["salt"], host=None)
+        self.check_reads(child)  # the hits after the shared blocks hold exactly its own tokens' K/V
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 99))

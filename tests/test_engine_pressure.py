@@ -259,3 +259,32 @@ def test_preempted_samples_share_their_blocks_again(tiny_engine_model, params, p
     assert [(c.token_ids, c.finish_reason, c.finish_detail) for c in out.outputs] == [
         (c.token_ids, c.finish_reason, c.finish_detail) for c in ref.outputs]
     assert_idle(llm)
+
+
+def test_recomputed_samples_take_their_own_cached_blocks(tiny_engine_model):
+    """With prefix caching on, a sample recomputed after a preemption forks from the first one
+    at its last whole prompt block and then takes the blocks of its own output that the cache
+    still holds, instead of prefilling them again; its tokens stay those it gets alone."""
+    import random
+
+    random.seed(1)
+    p, q = ([random.randrange(100, 40000) for _ in range(30)] for _ in range(2))
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=12, ignore_eos=True)
+    llm = make(tiny_engine_model, block_size=8, num_blocks=16, max_num_batched_tokens=16)
+    ref = llm.generate([p], params, use_tqdm=False)[0]
+    forks = []
+    fork_prefix = llm.scheduler.kv.fork_prefix
+
+    def spy(parent, child, num_tokens, token_ids):
+        got = fork_prefix(parent, child, num_tokens, token_ids)
+        forks.append((num_tokens, got[0], len(token_ids)))
+        return got
+
+    llm.scheduler.kv.fork_prefix = spy
+    older = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = llm.generate([q, p], [older, params], use_tqdm=False)[1]
+    assert llm.stats()["num_preemptions"] > 0
+    assert forks and all(at == 24 for at, _, _ in forks), forks  # 30 prompt tokens: 3 whole blocks
+    assert any(n > at for at, n, _ in forks), forks  # its own blocks from before, cached
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
+    assert_idle(llm)
