@@ -60,7 +60,6 @@ fresh (not re-registered in the prefix cache).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -385,12 +384,14 @@ class BlockManager:
         """Free device blocks that ``swap_in(*seq_ids)`` and then ``append_slots`` of
         ``num_new_tokens[i]`` to each take (new blocks and copy-on-write copies)."""
         seqs = [self._swapped(i) for i in seq_ids]
+        if num_new_tokens and len(num_new_tokens) != len(seqs):
+            raise ValueError(f"{len(num_new_tokens)} num_new_tokens for {len(seqs)} sequences")
         holders: dict[int, int] = {}  # host block -> sequences of the group holding it
         for s in seqs:
             for h in s.host_blocks:
                 holders[h] = holders.get(h, 0) + 1
         need, writers = len(holders), {}
-        for s, n in itertools.zip_longest(seqs, num_new_tokens, fillvalue=0):
+        for s, n in zip(seqs, num_new_tokens or [0] * len(seqs)):
             if n:
                 need += _cdiv(s.num_tokens + n, self.block_size) - len(s.host_blocks)
                 last = s.host_blocks[-1] if s.host_blocks else None
