@@ -324,8 +324,8 @@ class BlockManager:
         blocks = p.blocks[:k] + chain[k:]
         for b in blocks:
             self.pool.share(b)
-        if self.enable_prefix_caching:
-            self.pool.stats.queries += len(token_ids) - num_tokens
+        if self.enable_prefix_caching:  # the whole blocks after the shared ones were looked up
+            self.pool.stats.queries += max(len(hashes) - k, 0) * bs
             self.pool.stats.hits += len(blocks) * bs - num_tokens
         n, reg = len(blocks) * bs, min(len(chain), len(blocks))
         parent = (chain[reg - 1].block_id, chain[reg - 1].generation) if reg else None
@@ -555,8 +555,8 @@ class BlockManager:
                               f"sequence {sid!r} holds block {b.block_id}, cached for other tokens")
         self.pool.check_invariants(refs)
         invariant(host_refs == self._host_refs, "host block reference counts disagree with the swapped tables")
-        invariant(sorted([h for h, n in enumerate(host_refs) if n] + self._host_free) == list(range(self.num_host_blocks)),
-                  "host blocks leaked or held twice")
+        held = [h for h, n in enumerate(host_refs) if n]
+        invariant(sorted(held + self._host_free) == list(range(self.num_host_blocks)), "host blocks leaked or held twice")
 
     # ---- internals ------------------------------------------------------------------
 

@@ -19,8 +19,9 @@ Two tiers over the same traffic (``traffic.py``) and the same public loop (``add
 
 After every step: the block manager's invariants (``debug_checks``), the sequence limit,
 and FCFS order (no request runs while an older one waits). At the end: every request that
-was not aborted finished, no block (device or host) is in use, and no request was
-preempted more often than the scheduler's bound allows.
+was not aborted finished, no block (device or host) is in use, no request was
+preempted more often than the scheduler's bound allows, and (oracle tier) every request
+cut for capacity is cut alone on the same engine too.
 """
 
 import logging
@@ -119,8 +120,8 @@ def assert_same_as_alone(res, alone, *, ties: bool = False) -> int:
 def cut_only_where_alone(model, res) -> int:
     """A request the engine cut for capacity under traffic is cut alone on the same engine too:
     preempted and recomputed (or swapped), its sequences fit the pool as they did before (they
-    share the blocks they shared), so traffic never costs a request tokens. Returns how many
-    cut requests were checked."""
+    share the blocks they shared), so traffic never cuts a request that fits the pool alone.
+    Returns how many cut requests were checked."""
     cut = [a for a, o in res.finished if id(o) in res.cut]
     if not cut:
         return 0
@@ -170,8 +171,8 @@ def alone_engine(model, oracle: bool):
 def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
     alone = alone_engine(model, oracle)
     totals = dict(requests=0, finished=0, aborted=0, rejected=0, compared=0, preemptions=0, swapped_blocks=0,
-                  cut=0, cut_alone_too=0, forks=0, beams=0, stopped_by_string=0, contiguous=0, async_rounds=0, steps_ahead=0,
-                  dropped_tokens=0)
+                  cut=0, cut_alone_too=0, forks=0, beams=0, stopped_by_string=0, contiguous=0, async_rounds=0,
+                  steps_ahead=0, dropped_tokens=0)
     for seed in rounds:
         rnd = traffic.make_round(seed, num_requests=num_requests, vocab_size=model.config.vocab_size,
                                  any_geometry=oracle)
@@ -209,7 +210,7 @@ COVERAGE = ("aborted", "rejected", "preemptions", "swapped_blocks", "cut", "fork
 
 def test_random_traffic_with_the_paging_oracle(tiny_engine_model):
     t = run_rounds(tiny_engine_model, oracle=True, rounds=range(ORACLE_ROUNDS), num_requests=ORACLE_REQUESTS)
-    assert t["requests"] >= 1000
+    assert t["requests"] >= 1000 and t["cut_alone_too"] == t["cut"]
     for key in COVERAGE:
         assert t[key] > 0, (key, t)
 
