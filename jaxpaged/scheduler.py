@@ -298,14 +298,23 @@ class Scheduler:
         written, or will be by the steps already scheduled): each child shares the parent's
         blocks up to there and takes prefix-cache hits for its own tokens after them. False if
         ``req`` was preempted or finished instead, None if nothing was done (see ``_make_room``)."""
-        while req.pending_forks and req.pending_forks[0][1].num_computed_tokens >= req.pending_forks[0][0]:
+        while self._fork_due(req):
             while not self.kv.can_fork(self._forks + 1):
                 if not (made := self._make_room(req, out)):
                     return made
-            at, parent, child = req.pending_forks.pop(0)
-            child.num_computed_tokens, copies = self.kv.fork_prefix(parent.seq_id, child.seq_id, at, child.token_ids)
-            out.block_ops += [("copy", a, b) for a, b in copies]
+            self._fork_next(req, out)
         return True
+
+    @staticmethod
+    def _fork_due(req: Request) -> bool:
+        return bool(req.pending_forks) and req.pending_forks[0][1].num_computed_tokens >= req.pending_forks[0][0]
+
+    def _fork_next(self, req: Request, out: SchedulerOutput, *, cache_hits: bool = True) -> None:
+        at, parent, child = req.pending_forks.pop(0)
+        # Without cache hits: its tokens up to the fork position only (hits would take free blocks).
+        tokens = child.token_ids if cache_hits else child.token_ids[:at + 1]
+        child.num_computed_tokens, copies = self.kv.fork_prefix(parent.seq_id, child.seq_id, at, tokens)
+        out.block_ops += [("copy", a, b) for a, b in copies]
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool | None:
         """Preempt the newest running request. When that is ``req`` alone, nothing else holds
@@ -457,12 +466,8 @@ class Scheduler:
         if self.preemption_mode == "swap":
             # Forks it would have made this step first (they only share blocks): swapped back
             # in at its fork position with them unmade, it would have nothing to compute.
-            while req.pending_forks and req.pending_forks[0][1].num_computed_tokens >= req.pending_forks[0][0]:
-                at, parent, child = req.pending_forks.pop(0)
-                # Its tokens up to the fork position only: no prefix hits (they would take free blocks).
-                child.num_computed_tokens, copies = self.kv.fork_prefix(parent.seq_id, child.seq_id, at,
-                                                                        child.token_ids[:at + 1])
-                out.block_ops += [("copy", a, b) for a, b in copies]
+            while self._fork_due(req):
+                self._fork_next(req, out, cache_hits=False)
         ids = [s.seq_id for s in req.running_seqs()]
         if self.preemption_mode == "swap" and self.kv.can_swap_out(*ids):  # blocks they share stay shared
             pairs = self.kv.swap_out(*ids)
