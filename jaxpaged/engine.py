@@ -179,7 +179,7 @@ class LLM:
         self.core = EngineCore(self.scheduler, self.runner, debug_checks=debug_checks,
                                async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
-                                     check_request=self.scheduler.check_request, seed=seed)
+                                     check_request=self.scheduler.check_request, seed=seed, eos_ids=self.eos_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._unclaimed: dict[str, Request] = {}  # changed since step() last returned them
         self._claimed: dict[str, dict[str, Request]] = {}  # generate/stream requests -> their inbox

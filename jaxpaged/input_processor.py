@@ -2,7 +2,7 @@
 
 Everything a request can get wrong is caught here, before it is queued and before any
 device work: the prompt's form and token ids, its length against ``max_model_len`` and
-the pool, ``logit_bias`` ids, more sequences (``n``, ``beam_width``) than one step can
+the pool, ``logit_bias`` ids, a structured output's grammar, more sequences (``n``, ``beam_width``) than one step can
 run, and a request id that is already live. No jax here.
 """
 
@@ -19,6 +19,7 @@ from jaxpaged.beam_search import BeamSearch
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Request
+from jaxpaged.structured_output import Grammars
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -97,11 +98,14 @@ class InputProcessor:
       check_request: ``(num_prompt_tokens, params)`` raising ``ValueError`` if the engine
         could never run such a request (the scheduler's ``check_request``).
       seed: seeds the seeds of requests that do not set one.
+      eos_ids: the model's end-of-sequence tokens (what a complete structured output allows).
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
-                 check_request: Callable[[int, SamplingParams], None], seed: int = 0):
+                 check_request: Callable[[int, SamplingParams], None], seed: int = 0,
+                 eos_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
+        self.grammars = Grammars(tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.check_request = check_request
@@ -173,6 +177,8 @@ class InputProcessor:
         self._check_in_vocab(params.logit_bias or {}, "logit_bias token ids")
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids")
         self.check_request(len(ids), params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
         return text, ids, params
 
     def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
@@ -200,4 +206,6 @@ class InputProcessor:
         if self.tokenizer is not None:
             req.seqs[0].detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                             stop=params.stop, min_tokens=params.min_tokens)
+        if params.structured_outputs is not None:
+            req.seqs[0].matcher = self.grammars.matcher(self.grammars.compile(params.structured_outputs))
         return req

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxpaged.structured_output import StructuredOutputsParams, as_structured_outputs
 
 
 class APIError(Exception):
@@ -33,7 +34,7 @@ class APIError(Exception):
 def invalid(e: Exception) -> APIError:
     """A 400 for an engine validation error; ``param`` is the field its message starts with."""
     message = str(e)
-    first = message.split(" ", 1)[0].split("[", 1)[0]
+    first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     fields = {"prompt", "messages", *OpenAIRequest.model_fields, *CompletionRequest.model_fields,
               *ChatCompletionRequest.model_fields}
     return APIError(400, message, param=first if first in fields else None, code="invalid_value")
@@ -73,26 +74,50 @@ class OpenAIRequest(BaseModel):
     cache_salt: str | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
-    # Structured output (OpenAI's and vLLM's): not implemented, so refused by name rather than ignored.
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Any = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
 
-    def _check_unsupported(self) -> None:
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's structured output, from whichever one of its fields names it."""
+        given = {}
         rf = self.response_format
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise APIError(400, f"response_format {rf!r} is not supported: this server has no structured output "
-                           "(only {'type': 'text'})", param="response_format", code="unsupported_value")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                raise APIError(400, f"{name} is not supported: this server has no structured output", param=name,
-                               code="unsupported_value")
+        if rf is not None:
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                    raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema, a JSON "
+                                   "schema object", param="response_format", code="invalid_value")
+                given["response_format"] = {"json": spec["schema"]}
+            elif kind != "text":
+                raise APIError(400, f"response_format {rf!r:.200} is not supported: its type must be 'text', "
+                               "'json_object' or 'json_schema'", param="response_format", code="invalid_value")
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{name}") is not None:
+                given[f"guided_{name}"] = {name: getattr(self, f"guided_{name}")}
+        if len(given) > 1:
+            raise APIError(400, f"give one structured output, not {', '.join(given)}", param=list(given)[1],
+                           code="invalid_value")
+        if not given:
+            return None
+        (param, spec), = given.items()
+        try:
+            return as_structured_outputs(spec)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises ``APIError`` (400) with SamplingParams' message for an invalid value."""
-        self._check_unsupported()
+        structured = self._structured_outputs()
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given when stream is true", param="stream_options",
                            code="invalid_value")
@@ -118,7 +143,7 @@ class OpenAIRequest(BaseModel):
                 ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, use_beam_search=self.use_beam_search,
                 length_penalty=self.length_penalty, cache_salt=self.cache_salt,
-                skip_special_tokens=self.skip_special_tokens, **given)
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured, **given)
         except (ValueError, TypeError) as e:
             raise invalid(e) from None
 

@@ -40,6 +40,7 @@ from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, 
 from jaxpaged.model import Llama
 from jaxpaged.padding import bucket
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata, compute_logprobs, sample
+from jaxpaged.structured_output import token_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import PromptLogprobs, RunnerOutput, SchedulerOutput
 
@@ -482,7 +483,10 @@ class ModelRunner:
                             r.seq.request.prompt_token_ids,
                             r.seq.output_token_ids if r.seq.request.params.has_penalties else (),
                             r.seq.num_computed_tokens - r.seq.num_prompt_tokens) for r in batch_rows]
-        sm, num_logprobs, use_penalties = build_sampling_metadata(rows, num_rows, self.vocab_size, self.eos_ids)
+        grammars = [(i, r.seq.matcher) for i, r in enumerate(batch_rows) if r.seq.matcher is not None]
+        allowed = token_bitmask(grammars, num_rows, self.vocab_size) if grammars else None
+        sm, num_logprobs, use_penalties = build_sampling_metadata(rows, num_rows, self.vocab_size, self.eos_ids,
+                                                                  allowed)
         # Beam search ranks each beam's top 2 * width continuations.
         beam_k = max((2 * r.seq.request.params.beam_width for r in batch_rows if r.seq.request.is_beam_search),
                      default=0)

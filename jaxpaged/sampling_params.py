@@ -18,6 +18,8 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxpaged.structured_output import StructuredOutputsParams, as_structured_outputs
+
 SAMPLING_EPS = 1e-5  # temperatures below this mean greedy (vLLM's _SAMPLING_EPS)
 _FLOAT32_MAX = 3.4028234663852886e38  # biases are added to float32 logits: beyond this they become inf
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
@@ -63,6 +65,8 @@ class SamplingParams:
         length_penalty: beam score is ``logprob_sum / length ** length_penalty``.
         cache_salt: isolates this request's prefix-cache entries from other salts.
         skip_special_tokens: drop special tokens when detokenizing.
+        structured_outputs: a JSON schema, regex, choice list or grammar the output must match
+            (:class:`StructuredOutputsParams`, or a dict of its fields); not with beam search.
     """
 
     n: int = 1
@@ -87,9 +91,12 @@ class SamplingParams:
     length_penalty: float = 1.0
     cache_salt: str | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", as_structured_outputs(self.structured_outputs))
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         if self.logprobs is True:
             set_("logprobs", 1)
@@ -105,6 +112,8 @@ class SamplingParams:
             set_("logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         self._check_values()
         if self.use_beam_search:
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs cannot be used with use_beam_search=True (as in vLLM)")
             self._check_beam_search()
             if self.beam_width is None:
                 set_("beam_width", self.n)

@@ -69,7 +69,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxpaged.allocator import KVAllocator
-from jaxpaged.outputs import Logprob
+from jaxpaged.outputs import FinishReason, Logprob
 from jaxpaged.sequence import Request, RequestStatus, Sequence
 from jaxpaged.stopping import check_stop, is_stop_token
 
@@ -117,8 +117,10 @@ class SchedulerOutput:
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host:
         not when a row forks (the first token of ``n > 1``) or ranks beams, whose new
-        sequences only exist once the host has seen the tokens."""
-        return not any(s.num_samples > 1 or s.seq.request.is_beam_search for s in self.scheduled)
+        sequences only exist once the host has seen the tokens, nor when a row with a
+        structured output samples: its next bitmask needs the token."""
+        return not any(s.num_samples > 1 or s.seq.request.is_beam_search
+                       or (s.num_samples and s.seq.matcher is not None) for s in self.scheduled)
 
 
 class SampledRows(Protocol):
@@ -585,10 +587,26 @@ class Scheduler:
         stop = check_stop(params, token, num_output_tokens=seq.num_output_tokens,
                           num_tokens=len(seq.token_ids), stop_string=stop_string, eos_ids=self.eos_ids,
                           max_model_len=self.max_model_len)
+        if stop is None and seq.matcher is not None:
+            stop = self._advance_grammar(seq, token)
         if stop is not None:
             seq.finish_reason, seq.stop_reason = stop
             if seq.seq_id in self.kv:  # not when preempted by recompute while its token was pending
                 self.kv.free(seq.seq_id)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> tuple[FinishReason, None] | None:
+        """Feed ``token`` to the sequence's structured-output matcher: a stop once the grammar is
+        complete and EOS cannot end the sequence (``ignore_eos``, or ``min_tokens`` not reached),
+        or if the token broke the grammar (only a token outside the mask can: a bug)."""
+        m = seq.matcher
+        if not m.advance(token):
+            seq.finish_detail = f"structured output: token {token} broke the grammar ({m.error.splitlines()[0]})"
+            return "stop", None
+        params = seq.request.params
+        if m.is_complete and (params.ignore_eos or not self.eos_ids
+                               or seq.num_output_tokens + 1 < params.min_tokens):
+            return "stop", None
+        return None
 
     @staticmethod
     def _entry(req: Request, sampled: SampledRows, row: int, token: int, rank: int, logprob: float):

@@ -12,6 +12,7 @@ from jaxpaged.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from jaxpaged.beam_search import BeamSearch
     from jaxpaged.detokenizer import Detokenizer
+    from jaxpaged.structured_output import Matcher
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.finish_detail: str | None = None  # set when the engine, not the model, ended it
         self.detok: Detokenizer | None = None
+        self.matcher: Matcher | None = None  # its structured output's grammar state
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -90,6 +92,7 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         child.detok = self.detok.fork() if self.detok is not None else None
+        child.matcher = self.matcher.fork() if self.matcher is not None else None
         return child
 
 

@@ -13,7 +13,7 @@ def test_defaults_match_vllm():
         presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, seed=None, stop=[],
         stop_token_ids=[], ignore_eos=False, max_tokens=16, min_tokens=0, logprobs=None,
         prompt_logprobs=None, use_beam_search=False, beam_width=None, length_penalty=1.0,
-        cache_salt=None, skip_special_tokens=True,
+        cache_salt=None, skip_special_tokens=True, structured_outputs=None,
     )
     assert {f.name: getattr(p, f.name) for f in dataclasses.fields(p)} == expected
     assert not p.is_greedy
