@@ -353,8 +353,36 @@ def test_tokenize_gives_the_ids_the_endpoints_run(http, client, offline):
     assert http.post("/detokenize", json={"model": MODEL, "tokens": bare}).json() == {"prompt": PROMPTS[4]}
 
 
+def test_structured_outputs_are_served_as_the_offline_llm_runs_them(client, offline):
+    """OpenAI's response_format and vLLM's structured_outputs / guided_* become the offline
+    LLM's ``structured_outputs`` (the tiny random model: greedy text equal to the offline one's,
+    JSON that parses where whitespace is off, a choice streamed whole)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}
+
+    def offline_text(**so):
+        params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=so)
+        return offline.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
+
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert r.choices[0].message.content == offline_text(json=schema) and r.choices[0].message.content[0] == "{"
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content == offline_text(json_object=True)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0, extra_body={
+        "structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    assert set(json.loads(r.choices[0].message.content)) == {"ok", "tag"} and r.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=8, temperature=0.9, seed=1,
+                                       stream=True, extra_body={"guided_choice": ["north", "south", "east west"]})
+    assert "".join(c.choices[0].text for c in stream) in ("north", "south", "east west")
+    r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=12, temperature=0,
+                                  extra_body={"guided_regex": "[A-Z]{2}[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}[0-9]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+
+
 def test_plain_text_format_and_tools_left_unused_are_served(client):
-    """What asks for no structured output or tool call is served as it is (the refusals: ``BAD``)."""
+    """What asks for no tool call is served as it is (the refusals: ``BAD``)."""
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, response_format={"type": "text"},
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
                                        tool_choice="none")
