@@ -87,9 +87,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",")], default=None)
     s.add_argument("--ignore-eos", action="store_true", default=None)
     s.add_argument("--beam-search", action="store_true", dest="use_beam_search", default=None)
+    g = s.add_mutually_exclusive_group()  # structured outputs (SamplingParams.structured_outputs): one at most
+    g.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON matching this schema "
+                   "(JSON text, or @path to a file holding it)")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    g.add_argument("--grammar", help="the output follows this Lark or GBNF grammar (text, or @path)")
     e = add_engine_args(p)
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _structured_outputs(args) -> dict | None:
+    """The structured-output flags as ``SamplingParams.structured_outputs`` (a dict), or None."""
+    def text(value: str, flag: str) -> str:
+        if not value.startswith("@"):
+            return value
+        path = Path(value[1:])
+        if not path.is_file():
+            raise FileNotFoundError(f"{flag}: file not found: {path}")
+        return path.read_text()
+
+    if args.json_schema is not None:
+        return {"json": text(args.json_schema, "--json-schema")}
+    if args.grammar is not None:
+        return {"grammar": text(args.grammar, "--grammar")}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    return None
 
 
 def _read_prompts(args) -> list[tuple[str, dict]]:
@@ -144,6 +174,8 @@ def run(argv: list[str] | None = None) -> int:
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     base = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if structured := _structured_outputs(args):
+        base["structured_outputs"] = structured
     if base.get("use_beam_search") and "beam_width" not in base:
         base["beam_width"] = 4
     items = _read_prompts(args)

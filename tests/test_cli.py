@@ -100,6 +100,8 @@ def test_stdin_dash_beside_prompts_and_option_errors_name_the_line(capsys, monke
     (["--block-size", "3", "x"], "block_size=3 must be a power of two"),
     (["--file", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
     (["--kv-cache-memory", "huge", "x"], "kv_cache_memory='huge'"),
+    (["--regex", "a(b", "x"], "structured_outputs.regex is not a valid constraint"),
+    (["--json-schema", "@/nonexistent/schema.json", "x"], "--json-schema: file not found: /nonexistent/schema.json"),
 ])
 def test_bad_input_one_line_error(capsys, monkeypatch, tiny_engine_folder, argv, match):
     code, _, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), *argv])
@@ -112,3 +114,19 @@ def test_bad_jsonl_line(capsys, monkeypatch, tmp_path, tiny_engine_folder):
     f.write_text('{"prompt": "ok"}\n{not json}\n')
     code, _, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--file", str(f)])
     assert code == 1 and f"{f}:2" in err
+
+
+def test_structured_output_flags(capsys, monkeypatch, tmp_path, tiny_engine_folder):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"enum": ["up", "down"]}')
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b", "structured_outputs": {"json": {"enum": [7, 8]}}}\n')
+    for flags, ok in [(["--regex", "[a-c]{4}"], lambda t: len(t) == 4 and set(t) <= set("abc")),
+                      (["--choice", "left", "--choice", "right"], lambda t: t in ("left", "right")),
+                      (["--json-schema", f"@{schema}"], lambda t: json.loads(t) in ("up", "down"))]:
+        code, out, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--json", "--max-tokens", "40",
+                                                   "--temperature", "0.8", "--seed", "1", *flags, "--file", str(f)])
+        assert code == 0, err
+        a, b = (json.loads(line)["outputs"][0]["text"] for line in out.splitlines()[:2])
+        assert ok(a), (flags, a)
+        assert json.loads(b) in (7, 8)  # the line's own structured output wins over the flags
