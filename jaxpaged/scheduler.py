@@ -603,8 +603,8 @@ class Scheduler:
             seq.finish_detail = f"structured output: token {token} broke the grammar ({m.error.splitlines()[0]})"
             return "stop", None
         params = seq.request.params
-        if m.is_complete and (params.ignore_eos or not self.eos_ids
-                               or seq.num_output_tokens + 1 < params.min_tokens):
+        if m.is_complete and (params.ignore_eos or not self.eos_ids  # min_tokens bans EOS as the sampler does
+                               or seq.num_output_tokens < params.min_tokens):
             return "stop", None
         return None
 

@@ -2,6 +2,7 @@
 on random logits, llguidance's masks on SmolLM2's tokenizer, and the engine on the tiny random
 model (SmolLM2's tokenizer), whose outputs must match their grammar under every schedule."""
 
+import dataclasses
 import json
 import re
 
@@ -187,3 +188,96 @@ def test_a_bad_grammar_is_refused_before_any_work(tiny_engine_model):
         with pytest.raises(ValueError, match=pattern):
             llm.generate(["fine", "bad"], [good, SamplingParams(structured_outputs=bad)], use_tqdm=False)
         assert not llm.has_unfinished_requests() and llm.stats()["num_used_blocks"] == 0
+
+
+# ---------------------------------------------------------------- random traffic (hypothesis)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ATOMS = ["[a-z]", "[0-9]", "[A-Z]", "(ab|cd)", "x", "-", "( |_)"]
+
+
+@st.composite
+def constraints(draw):
+    kind = draw(st.sampled_from(["regex", "regex", "choice", "json", None]))
+    if kind == "regex":
+        parts = [draw(st.sampled_from(ATOMS)) + "{%d,%d}" % draw(st.tuples(st.integers(1, 2), st.integers(2, 5)))
+                 for _ in range(draw(st.integers(1, 3)))]
+        return {"regex": "".join(parts)}
+    if kind == "choice":
+        words = draw(st.lists(st.text("abcdefgh ", min_size=1, max_size=6).filter(str.strip), min_size=1,
+                              max_size=4, unique=True))
+        return {"choice": words}
+    if kind == "json":
+        return {"json": {"type": "array", "items": {"enum": draw(st.lists(st.integers(0, 99), min_size=1, max_size=3,
+                                                                           unique=True))},
+                         "minItems": 1, "maxItems": draw(st.integers(1, 3))}, "disable_any_whitespace": True}
+    return None
+
+
+@st.composite
+def requests(draw):
+    so = draw(constraints())
+    n = draw(st.integers(1, 2))
+    return SamplingParams(
+        n=n, temperature=0 if n == 1 and draw(st.booleans()) else 0.9, seed=draw(st.integers(0, 1 << 20)),
+        max_tokens=draw(st.integers(3, 24)), min_tokens=draw(st.sampled_from([0, 0, 3])),
+        ignore_eos=draw(st.booleans()), structured_outputs=so)
+
+
+def fits(so: dict, text: str, token_ids: list[int], grammars: Grammars, complete: bool) -> bool:
+    """Whether ``text`` is a complete match of ``so`` (``complete``), or ``token_ids`` a prefix
+    that a fresh matcher of the same grammar takes token by token."""
+    if complete:
+        if "regex" in so:
+            return re.fullmatch(so["regex"], text) is not None
+        if "choice" in so:
+            return text in so["choice"]
+        value = json.loads(text)
+        return 1 <= len(value) <= so["json"]["maxItems"] and set(value) <= set(so["json"]["items"]["enum"])
+    m = grammars.matcher(grammars.compile(StructuredOutputsParams(**so)))
+    return all(m.advance(t) for t in token_ids if t != EOS)
+
+
+@pytest.fixture(scope="module")
+def traffic_engines(tiny_engine_model):
+    base = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64, debug_checks=True)
+    return [LLM(tiny_engine_model, num_blocks=128, async_scheduling=False, **base),
+            LLM(tiny_engine_model, num_blocks=8, **base),  # async, recompute preemption
+            LLM(tiny_engine_model, num_blocks=8, preemption_mode="swap", swap_space=1 << 20, **base)]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                                   HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_structured_traffic(traffic_engines, data):
+    """Random structured and free requests, some aborted mid-way, on engines that preempt by
+    recompute or swap, overlap steps or not: every output that ends on its own is a complete
+    match of its constraint, every output cut by length a prefix the grammar takes, and no
+    block is left behind (a request cut for room also ends in a prefix the grammar takes)."""
+    llm = data.draw(st.sampled_from(traffic_engines))
+    params = data.draw(st.lists(requests(), min_size=2, max_size=6))
+    abort_at = data.draw(st.integers(0, 8))
+    words = ["Hello", "the list:", "Answer", "x y z", "code 12"]
+    ids = [llm.add_request(words[i % len(words)], p) for i, p in enumerate(params)]
+    finished, steps, aborted = {}, 0, None
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if steps == abort_at and (live := [i for i in ids if i not in finished]):
+            aborted = live[-1]
+            llm.abort(aborted)
+    assert set(finished) == set(ids) - {aborted}
+    for rid, p in zip(ids, params):
+        if rid not in finished or p.structured_outputs is None:
+            continue
+        so = {k: v for k, v in dataclasses.asdict(p.structured_outputs).items() if v not in (None, False)}
+        for c in finished[rid].outputs:
+            assert c.finish_detail is None or "structured" not in c.finish_detail, c  # a capacity cut may end it
+            complete = c.finish_reason == "stop" and c.finish_detail is None
+            assert fits(so, c.text, c.token_ids, llm.inputs.grammars, complete), (so, c.text, c.finish_reason)
+    s = llm.stats()
+    assert s["num_used_blocks"] == 0 and s["num_host_blocks_used"] == 0, s
