@@ -28,6 +28,7 @@ _EXPORTS = {
     "load_model": "jaxpaged.loader", "LoadedModel": "jaxpaged.loader", "CheckpointError": "jaxpaged.loader",
     "RequestOutput": "jaxpaged.outputs", "CompletionOutput": "jaxpaged.outputs", "Logprob": "jaxpaged.outputs",
     "RequestMetrics": "jaxpaged.outputs", "SamplingParams": "jaxpaged.sampling_params",
+    "StructuredOutputsParams": "jaxpaged.structured_output",
 }
 
 
@@ -42,7 +43,7 @@ def __dir__():
 
 
 __all__ = [
-    "LLM", "generate", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+    "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
     "load_model", "LoadedModel", "CheckpointError",
 ]
 __version__ = "0.1.0"

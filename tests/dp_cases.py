@@ -8,6 +8,7 @@ own process:
 """
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 2,
 # Rounds of random traffic on the model with enable_dp_attention (each compiles its own shapes).
 DPA_ROUNDS = 6
 ENGINE = dict(block_size=4, num_blocks=32, max_num_seqs=3, max_num_batched_tokens=32, debug_checks=True)
+CODE = r"[a-z]{2}-[0-9]{3}"  # a structured output's regex
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +44,16 @@ def _requests(vocab_size: int):
               SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True),
               SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, stop=["the", "a"], repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=20, structured_outputs=dict(regex=CODE))]
     return prompts, [params[i % len(params)] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("dp_attention", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_two_replicas_give_each_request_what_one_gives_it(model, async_scheduling, dp_attention):
-    """Greedy (with logprobs), seeded top-p, n = 2, beam search, stop strings with a penalty
-    and prompt logprobs, over a pool small enough to preempt: the same completions as one replica, both
+    """Greedy (with logprobs), seeded top-p, n = 2, beam search, stop strings with a penalty,
+    prompt logprobs and a structured output, over a pool small enough to preempt: the same completions as one replica, both
     replicas used, their pools on their own devices, and every block free at the end; the
     replicas as separate programs or, with ``enable_dp_attention``, as one (the MLP split
     between the devices sums in another order: logprobs agree to float32 rounding)."""
@@ -73,6 +76,8 @@ def test_two_replicas_give_each_request_what_one_gives_it(model, async_schedulin
                 np.testing.assert_allclose([d[t].logprob for d, t in zip(x.logprobs, x.token_ids)],
                                            [d[t].logprob for d, t in zip(y.logprobs, y.token_ids)],
                                            rtol=1e-5, atol=1e-5)
+    structured = [c.text for o, p in zip(two, params) if p.structured_outputs is not None for c in o.outputs]
+    assert len(structured) == 2 and all(re.fullmatch(CODE, t) for t in structured), structured
     devices = [next(iter(r.kv.k.devices())) for r in llm.runner.parts]
     assert devices == jax.devices()[:2]
     if dp_attention:  # one program ran the replicas' steps, and a replica alone the steps only it had work for
