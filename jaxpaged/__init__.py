@@ -43,7 +43,7 @@ def __dir__():
 
 
 __all__ = [
-    "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
-    "load_model", "LoadedModel", "CheckpointError",
+    "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+    "RequestMetrics", "load_model", "LoadedModel", "CheckpointError",
 ]
 __version__ = "0.1.0"

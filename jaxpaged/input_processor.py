@@ -2,8 +2,8 @@
 
 Everything a request can get wrong is caught here, before it is queued and before any
 device work: the prompt's form and token ids, its length against ``max_model_len`` and
-the pool, ``logit_bias`` ids, a structured output's grammar, more sequences (``n``, ``beam_width``) than one step can
-run, and a request id that is already live. No jax here.
+the pool, ``logit_bias`` ids, a structured output's grammar, more sequences (``n``,
+``beam_width``) than one step can run, and a request id that is already live. No jax here.
 """
 
 from __future__ import annotations

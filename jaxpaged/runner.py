@@ -40,9 +40,9 @@ from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, 
 from jaxpaged.model import Llama
 from jaxpaged.padding import bucket
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata, compute_logprobs, sample
-from jaxpaged.structured_output import token_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.scheduler import PromptLogprobs, RunnerOutput, SchedulerOutput
+from jaxpaged.structured_output import token_bitmask
 
 log = logging.getLogger(__name__)
 

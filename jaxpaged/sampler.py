@@ -6,10 +6,11 @@ The pipeline follows vLLM v1's sampler, row by row with each row's own parameter
    default ``logprobs_mode="raw_logprobs"``); the sampled token's log-prob and rank and
    the ``num_logprobs`` most likely tokens are reported from these;
 2. ``process_logits``: -inf for tokens a structured output's grammar does not allow next
-   (a bitmask the host computes, :mod:`jaxpaged.structured_output`); add ``logit_bias``; set EOS and ``stop_token_ids`` to -inf while
-   the output is shorter than ``min_tokens``; repetition penalty on tokens seen in the
-   prompt or output (positive logits divided, others multiplied); frequency and presence
-   penalties on output tokens (OpenAI rule). Greedy rows take the argmax here;
+   (a bitmask the host computes, :mod:`jaxpaged.structured_output`); add ``logit_bias``; set
+   EOS and ``stop_token_ids`` to -inf while the output is shorter than ``min_tokens``;
+   repetition penalty on tokens seen in the prompt or output (positive logits divided,
+   others multiplied); frequency and presence penalties on output tokens (OpenAI rule).
+   Greedy rows take the argmax here;
 3. ``truncate_logits``: divide by the temperature, then drop (-inf) tokens below
    ``min_p`` times the top probability, outside the ``top_k``, and outside the ``top_p``
    nucleus of what is left, in that order;
