@@ -31,12 +31,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def invalid(e: Exception) -> APIError:
-    """A 400 for an engine validation error; ``param`` is the field its message starts with."""
+def invalid(e: Exception, body: OpenAIRequest | None = None) -> APIError:
+    """A 400 for an engine validation error; ``param`` is the field its message starts with (for
+    ``structured_outputs``, the field of ``body`` that gave it: ``response_format`` or ``guided_*``)."""
     message = str(e)
     first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     fields = {"prompt", "messages", *OpenAIRequest.model_fields, *CompletionRequest.model_fields,
               *ChatCompletionRequest.model_fields}
+    if first == "structured_outputs" and body is not None:
+        first = body.structured_field() or first
     return APIError(400, message, param=first if first in fields else None, code="invalid_value")
 
 
@@ -82,6 +85,14 @@ class OpenAIRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
 
+    def structured_field(self) -> str | None:
+        """The field that asks for a structured output (``_structured_outputs`` checks there is one at most)."""
+        rf = self.response_format
+        if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+            return "response_format"
+        names = ["structured_outputs", *(f"guided_{k}" for k in ("json", "regex", "choice", "grammar"))]
+        return next((name for name in names if getattr(self, name) is not None), None)
+
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The request's structured output, from whichever one of its fields names it."""
         given = {}
@@ -92,7 +103,7 @@ class OpenAIRequest(BaseModel):
                 given["response_format"] = {"json_object": True}
             elif kind == "json_schema":
                 spec = rf.get("json_schema")
-                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                     raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema, a JSON "
                                    "schema object", param="response_format", code="invalid_value")
                 given["response_format"] = {"json": spec["schema"]}
@@ -145,7 +156,7 @@ class OpenAIRequest(BaseModel):
                 length_penalty=self.length_penalty, cache_salt=self.cache_salt,
                 skip_special_tokens=self.skip_special_tokens, structured_outputs=structured, **given)
         except (ValueError, TypeError) as e:
-            raise invalid(e) from None
+            raise invalid(e, self) from None
 
     @property
     def include_usage(self) -> bool:

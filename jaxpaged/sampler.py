@@ -7,7 +7,8 @@ The pipeline follows vLLM v1's sampler, row by row with each row's own parameter
    the ``num_logprobs`` most likely tokens are reported from these;
 2. ``process_logits``: -inf for tokens a structured output's grammar does not allow next
    (a bitmask the host computes, :mod:`jaxpaged.structured_output`); add ``logit_bias``; set
-   EOS and ``stop_token_ids`` to -inf while the output is shorter than ``min_tokens``;
+   EOS and ``stop_token_ids`` to -inf while the output is shorter than ``min_tokens`` (unless
+   that leaves a structured row no token: its grammar allows only those);
    repetition penalty on tokens seen in the prompt or output (positive logits divided,
    others multiplied); frequency and presence penalties on output tokens (OpenAI rule).
    Greedy rows take the argmax here;
@@ -150,8 +151,10 @@ def process_logits(
         bits = jnp.right_shift(sm.allowed[:, token // 32], token % 32) & 1  # [S, V]
         logits = jnp.where(bits == 1, logits, -jnp.inf)
     logits = logits.at[rows, _scatter_ids(sm.bias_ids, vocab)].add(sm.bias_values, mode="drop")
-    logits = logits.at[rows, _scatter_ids(sm.banned_ids, vocab)].set(-jnp.inf, mode="drop")
-    return apply_penalties(logits, sm) if use_penalties else logits
+    banned = logits.at[rows, _scatter_ids(sm.banned_ids, vocab)].set(-jnp.inf, mode="drop")
+    if sm.allowed.shape[1]:  # a grammar that allows only banned stop ids: it wins over min_tokens
+        banned = jnp.where(jnp.all(banned == -jnp.inf, axis=-1, keepdims=True), logits, banned)
+    return apply_penalties(banned, sm) if use_penalties else banned
 
 
 MAX_TOP_K_WINDOW = 1024  # past this, lax.top_k on XLA:CPU costs more than counting (V=49152)

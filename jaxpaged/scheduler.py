@@ -600,7 +600,7 @@ class Scheduler:
         or if the token broke the grammar (only a token outside the mask can: a bug)."""
         m = seq.matcher
         if not m.advance(token):
-            seq.finish_detail = f"structured output: token {token} broke the grammar ({m.error.splitlines()[0]})"
+            seq.finish_detail = f"structured output: token {token} broke the grammar ({m.error})"
             return "stop", None
         params = seq.request.params
         if m.is_complete and (params.ignore_eos or not self.eos_ids  # min_tokens bans EOS as the sampler does

@@ -121,13 +121,13 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                            f"tokens and the request has {n} input tokens ({asked} > {limit} - {n})",
                            param="max_tokens", code="invalid_value")
 
-    async def add(prompts: list, params, request_id: str) -> list[RequestStream]:
-        """Queue every prompt, or none."""
+    async def add(prompts: list, params, request_id: str, body) -> list[RequestStream]:
+        """Queue every prompt, or none (``body``: the request, for the errors' ``param``)."""
         try:
             return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
                                              check=fits)
         except (ValueError, TypeError) as e:
-            raise invalid(e) from None
+            raise invalid(e, body) from None
         except EngineOverloadedError as e:
             raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
 
@@ -152,7 +152,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         params = checked_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = served_model_name
-        streams = await add(body.prompts(), params, rid)
+        streams = await add(body.prompts(), params, rid, body)
         events = completion_events(engine, rid, model, streams, body, params.stop, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
@@ -183,7 +183,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         ids = await chat_token_ids(body.conversation(), body.add_generation_prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = served_model_name
-        streams = await add([{"prompt_token_ids": ids}], params, rid)
+        streams = await add([{"prompt_token_ids": ids}], params, rid, body)
         events = chat_events(engine, rid, model, streams[0], body, params.stop) if body.stream else None
         return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body))
 

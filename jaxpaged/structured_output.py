@@ -72,6 +72,9 @@ class StructuredOutputsParams:
             what = {"json": "a dict or a str", "regex": "a str", "choice": "a list of str", "grammar": "a str",
                     "json_object": "True"}[kind]
             raise TypeError(f"structured_outputs.{kind} must be {what}, got {value!r:.80} ({type(value).__name__})")
+        if kind == "regex" and (len(value) - len(value.rstrip("\\"))) % 2:
+            # llguidance would drop it silently ("a\\" would match "a")
+            raise ValueError(f"structured_outputs.regex ends in a lone backslash: {value!r:.80}")
         if kind == "choice":
             object.__setattr__(self, "choice", list(value))
             if not value or not all(value):
@@ -101,16 +104,19 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise ValueError(f"structured_outputs.json must be a JSON schema object, got {schema!r:.80}")
             options = {"whitespace_flexible": not self.disable_any_whitespace}
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not a valid constraint: {e}") from None
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        try:
-            return llguidance.grammar_from("grammar" if "::=" in self.grammar else "lark", self.grammar)
+        try:  # Lark, or GBNF converted to Lark (llguidance tells them apart)
+            return llguidance.grammar_from("grammar", self.grammar)
         except ValueError as e:
             raise ValueError(f"structured_outputs.grammar: {e}") from None
 
@@ -207,7 +213,8 @@ class Matcher:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        """The first line of llguidance's message for a token the grammar did not take."""
+        return (self.matcher.get_error() or "no message").split("\n", 1)[0]
 
 
 _executor = None

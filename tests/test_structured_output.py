@@ -77,6 +77,22 @@ def test_the_sampler_takes_only_allowed_tokens_and_leaves_other_rows_alone():
         build_sampling_metadata(rows, S, V, [EOS], allowed=mask[:, :9])
 
 
+def test_a_grammar_that_allows_only_banned_stop_ids_wins_over_min_tokens():
+    """min_tokens bans stop ids; where a row's grammar allows nothing else, the grammar wins
+    (sampling token 0, outside both, was the other outcome); where it allows more, the ban holds."""
+    V = 64
+    mask = np.zeros((2, 2), np.int32)
+    mask[0, 0] = 1 << 5  # row 0: only token 5, a stop id
+    mask[1, 0] = (1 << 5) | (1 << 9)  # row 1: 5 or 9
+    logits = np.zeros((2, V), np.float32)
+    logits[:, 5] = 3.0
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5])
+    sm, k, pen = build_sampling_metadata([SamplingRow(p, 0, [1], []), SamplingRow(p, 0, [1], [])], 2, V, [EOS],
+                                         allowed=mask)
+    out = sample(jax.numpy.asarray(logits), jax.tree.map(jax.numpy.asarray, sm), num_logprobs=k, use_penalties=pen)
+    assert np.asarray(out.tokens).tolist() == [5, 9]
+
+
 @pytest.fixture(scope="module")
 def grammars():
     from jaxpaged.default_model import default_model_path
@@ -178,13 +194,28 @@ def test_a_structured_request_leaves_its_batch_mates_alone(tiny_engine_model, re
     assert alone.outputs[0].token_ids == reference[0].outputs[0].token_ids
 
 
+def test_edge_constraints_end_cleanly(tiny_engine_model, grammars):
+    """A choice whose only token is a stop id banned by min_tokens, and a grammar complete at once."""
+    tok, _ = grammars
+    one = tok("1", add_special_tokens=False)["input_ids"]
+    assert len(one) == 1
+    llm = LLM(tiny_engine_model, block_size=4, num_blocks=64, max_model_len=128)
+    outs = llm.generate(["a", "b"], [
+        SamplingParams(temperature=0, max_tokens=5, min_tokens=2, stop_token_ids=one, structured_outputs=dict(choice=["1"])),
+        SamplingParams(temperature=0, max_tokens=5, min_tokens=3, structured_outputs=dict(regex="x"))], use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].finish_detail) for o in outs] == [
+        ("1", "stop", None), ("x", "stop", None)]
+
+
 def test_a_bad_grammar_is_refused_before_any_work(tiny_engine_model):
     llm = LLM(tiny_engine_model, block_size=4, num_blocks=64, max_model_len=128)
     good = SamplingParams(max_tokens=3)
     for bad, pattern in [(dict(regex="a(b"), r"structured_outputs\.regex is not a valid constraint: .*unclosed group"),
                          (dict(grammar="start: foo"), r"structured_outputs\.grammar .*unknown name"),
                          (dict(json="{"), r"structured_outputs\.json is not valid JSON"),
-                         (dict(json={"type": "nonsense"}), r"structured_outputs\.json is not a valid constraint")]:
+                         (dict(json={"type": "nonsense"}), r"structured_outputs\.json is not a valid constraint"),
+                         (dict(json="true"), r"structured_outputs\.json must be a JSON schema object"),
+                         (dict(regex="ab\\"), r"structured_outputs\.regex ends in a lone backslash")]:
         with pytest.raises(ValueError, match=pattern):
             llm.generate(["fine", "bad"], [good, SamplingParams(structured_outputs=bad)], use_tqdm=False)
         assert not llm.has_unfinished_requests() and llm.stats()["num_used_blocks"] == 0
