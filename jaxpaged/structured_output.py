@@ -6,16 +6,18 @@ grammar. `llguidance <https://github.com/guidance-ai/llguidance>`_ (one of vLLM'
 backends; the other, xgrammar, needs torch) compiles it against the model's tokenizer and
 keeps a matcher per sequence:
 
-1. before each step that samples a structured sequence, the host asks its matcher for the
+1. in each step that samples a structured sequence, the host asks its matcher for the
    tokens the grammar allows next, as a bitmask of one bit per vocabulary entry
-   (``[rows, ceil(vocab / 32)]`` int32, all ones for the other rows);
+   (``[rows, ceil(vocab / 32)]`` int32, all ones for the other rows), while the step's
+   forward runs (llguidance takes ~0.3 ms a row over SmolLM2's 49,152 tokens);
 2. on the device the sampler sets every other token's logit to -inf (first, before
    ``logit_bias``, penalties and truncation: ``sampler.process_logits``), so greedy, seeded
    sampling and ``n > 1`` all pick among allowed tokens;
 3. the scheduler feeds each sampled token to the sequence's matcher. Once the grammar is
    complete the mask allows only EOS, and the sequence ends on it as usual; where EOS
    cannot end it (``ignore_eos``, or fewer than ``min_tokens`` tokens), it ends there with
-   ``finish_reason="stop"``.
+   ``finish_reason="stop"``. Where a grammar allows only stop ids that ``min_tokens`` still
+   bans, the grammar wins.
 
 The bitmask of step N+1 needs the token of step N, so a step that samples a structured
 sequence is not overlapped with the next under async scheduling
@@ -45,7 +47,7 @@ class StructuredOutputsParams:
       regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
       choice: the output is one of these strings.
       grammar: a context-free grammar in Lark syntax (llguidance's dialect), or in GBNF
-        (llama.cpp's, recognised by its ``::=``).
+        (llama.cpp's; llguidance tells the two apart and converts it).
       json_object: True for any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
       disable_any_whitespace: JSON only: no whitespace between tokens (by default the JSON may
         hold any, as in vLLM).
