@@ -9,6 +9,8 @@ import re
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata, sample
@@ -222,9 +224,6 @@ def test_a_bad_grammar_is_refused_before_any_work(tiny_engine_model):
 
 
 # ---------------------------------------------------------------- random traffic (hypothesis)
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 ATOMS = ["[a-z]", "[0-9]", "[A-Z]", "(ab|cd)", "x", "-", "( |_)"]
 
