@@ -87,14 +87,10 @@ class OpenAIRequest(BaseModel):
 
     def structured_field(self) -> str | None:
         """The field that asks for a structured output (``_structured_outputs`` checks there is one at most)."""
-        rf = self.response_format
-        if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
-            return "response_format"
-        names = ["structured_outputs", *(f"guided_{k}" for k in ("json", "regex", "choice", "grammar"))]
-        return next((name for name in names if getattr(self, name) is not None), None)
+        return next(iter(self._structured_specs()), None)
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The request's structured output, from whichever one of its fields names it."""
+    def _structured_specs(self) -> dict[str, Any]:
+        """Each field that asks for a structured output -> its ``structured_outputs`` (a dict)."""
         given = {}
         rf = self.response_format
         if rf is not None:
@@ -115,6 +111,11 @@ class OpenAIRequest(BaseModel):
         for name in ("json", "regex", "choice", "grammar"):
             if getattr(self, f"guided_{name}") is not None:
                 given[f"guided_{name}"] = {name: getattr(self, f"guided_{name}")}
+        return given
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's structured output, from whichever one of its fields names it."""
+        given = self._structured_specs()
         if len(given) > 1:
             raise APIError(400, f"give one structured output, not {', '.join(given)}", param=list(given)[1],
                            code="invalid_value")

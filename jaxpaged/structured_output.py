@@ -152,6 +152,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_ids = [int(t) for t in eos_ids]
         self._ll_tokenizer = None
+        # The last params compiled and their grammar: a request is checked, then made (InputProcessor).
+        self._last: tuple[StructuredOutputsParams, str] | None = None
 
     def _tokenizer(self):
         if self._ll_tokenizer is None:
@@ -175,10 +177,13 @@ class Grammars:
         """
         import llguidance
 
+        if self._last is not None and self._last[0] is params:
+            return self._last[1]
         grammar = params.to_grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
         if error:
             raise ValueError(f"structured_outputs.{params.kind} is not a valid constraint: {' '.join(error.split())}")
+        self._last = params, grammar
         return grammar
 
     def matcher(self, grammar: str) -> Matcher:
@@ -234,12 +239,11 @@ def token_bitmask(matchers: Sequence[tuple[int, Matcher]], num_rows: int, vocab_
         _executor = llguidance.LLExecutor()
     words = -(-vocab_size // 32)
     mask = np.full((num_rows, -(-max(vocab_size, *(m.mask_vocab for _, m in matchers)) // 32)), -1, np.int32)
-    first: dict[int, int] = {}  # a matcher's first row: the samples of n > 1 share their parent's at the fork
+    first: dict[int, tuple[int, Matcher]] = {}  # each matcher's first row: the samples of n > 1 share
+    for i, m in matchers:                       # their parent's at the fork
+        first.setdefault(id(m), (i, m))
+    llguidance.numpy.fill_next_token_bitmask_par(_executor, [(m.matcher, i) for i, m in first.values()], mask)
     for i, m in matchers:
-        first.setdefault(id(m), i)
-        mask[i] = 0
-    llguidance.numpy.fill_next_token_bitmask_par(
-        _executor, [(m.matcher, i) for i, m in matchers if first[id(m)] == i], mask)
-    for i, m in matchers:
-        mask[i] = mask[first[id(m)]]
+        if (j := first[id(m)][0]) != i:
+            mask[i] = mask[j]
     return np.ascontiguousarray(mask[:, :words])

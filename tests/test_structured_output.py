@@ -125,6 +125,18 @@ def test_masks_follow_the_grammar_on_the_real_tokenizer(grammars):
     assert narrow.shape == (1, 640)
 
 
+def test_a_request_is_compiled_once(grammars, monkeypatch):
+    """Checked, then made (``InputProcessor.check`` then ``process``): one compilation."""
+    _, g = grammars
+    so = StructuredOutputsParams(regex="[a-c]+")
+    calls = []
+    monkeypatch.setattr(StructuredOutputsParams, "to_grammar",
+                        lambda self, f=StructuredOutputsParams.to_grammar: calls.append(1) or f(self))
+    assert g.compile(so) == g.compile(so) and len(calls) == 1
+    g.compile(StructuredOutputsParams(regex="[a-c]+"))  # equal, but another request's
+    assert len(calls) == 2
+
+
 REQUESTS = [
     ("Free text", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
     ("Write a code:", SamplingParams(temperature=0, max_tokens=30,
