@@ -28,7 +28,7 @@ _EXPORTS = {
     "load_model": "jaxpaged.loader", "LoadedModel": "jaxpaged.loader", "CheckpointError": "jaxpaged.loader",
     "RequestOutput": "jaxpaged.outputs", "CompletionOutput": "jaxpaged.outputs", "Logprob": "jaxpaged.outputs",
     "RequestMetrics": "jaxpaged.outputs", "SamplingParams": "jaxpaged.sampling_params",
-    "StructuredOutputsParams": "jaxpaged.structured_output",
+    "StructuredOutputsParams": "jaxpaged.structured_output", "SpeculativeConfig": "jaxpaged.spec_decode",
 }
 
 
@@ -44,6 +44,6 @@ def __dir__():
 
 __all__ = [
     "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "RequestMetrics", "load_model", "LoadedModel", "CheckpointError",
+    "RequestMetrics", "load_model", "LoadedModel", "CheckpointError", "SpeculativeConfig",
 ]
 __version__ = "0.1.0"

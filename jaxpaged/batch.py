@@ -47,6 +47,9 @@ SPLIT_MIN_ROWS = 8
 class SampleRow:
     seq: Sequence
     index: int  # which sample of the request this row draws (n > 1 fans out at the first token)
+    # Positions before its chunk's end: 0, or for the row sampled at a sequence's last token
+    # or one of its drafts, how many drafts follow it (speculative decoding).
+    ahead: int = 0
 
 
 @dataclasses.dataclass
@@ -140,13 +143,12 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     pos = (np.repeat(starts, counts) + within).astype(np.int32)
     tok_seq = np.repeat(seq_row, counts)  # row of each real token
     tokens = np.zeros(T, np.int32)
-    known = np.fromiter(itertools.chain.from_iterable(
-        s.seq.token_ids[s.start:s.start + s.num_new_tokens] for s in sched), np.int32)
+    known = np.fromiter(itertools.chain.from_iterable(s.input_ids for s in sched), np.int32)
     token_src = None
     if len(known) == num_tokens:
         tokens[tok_index] = known
     else:  # chunks that end with a pending token: one per sequence at most, the last of its chunk
-        lens = np.fromiter((len(s.seq.token_ids) for s in sched), np.int32, num_seqs)
+        lens = np.fromiter((len(s.seq.token_ids) + len(s.draft) for s in sched), np.int32, num_seqs)
         missing = np.flatnonzero(starts + counts > lens)
         if (starts + counts - lens)[missing].max() > 1 or pending_rows is None:
             s = sched[missing[0]]
@@ -182,6 +184,10 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
         for k in range(s.num_samples):  # n > 1 fans out at the first token: sample k of n
             rows.append(SampleRow(seq, k if s.num_samples > 1 else seq.index))
             logits_indices.append(t + n - 1)
+        if s.draft:  # the last token's row and each draft's, in position order
+            d = len(s.draft)
+            rows[-1:] = [SampleRow(seq, seq.index, ahead=d - j) for j in range(d + 1)]
+            logits_indices[-1:] = range(t + n - 1 - d, t + n)
         if req.params.prompt_logprobs is not None:
             # Positions p in this chunk with a next prompt token p + 1 to score.
             stop = min(a + n, req.num_prompt_tokens - 1)

@@ -125,6 +125,9 @@ class DataParallelScheduler:
     num_preemptions = _summed("num_preemptions")
     num_swapped_out_blocks = _summed("num_swapped_out_blocks")
     num_dropped_tokens = _summed("num_dropped_tokens")
+    num_drafts = _summed("num_drafts")
+    num_draft_tokens = _summed("num_draft_tokens")
+    num_accepted_tokens = _summed("num_accepted_tokens")
 
     # ---- steps ----------------------------------------------------------------------
 

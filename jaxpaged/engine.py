@@ -38,6 +38,7 @@ from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
 from jaxpaged.sharding import data_parallel_devices, model_on_device, request_cpu_devices
+from jaxpaged.spec_decode import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,12 @@ class LLM:
         ``"float16"``. ``"auto"``: the model's dtype, but float32 for a 16-bit model on CPU,
         whose scatter into a 16-bit pool rewrites the whole pool on every write (the same
         tokens; see :func:`~jaxpaged.kv_cache.resolve_kv_cache_dtype`).
+      speculative_config: speculative decoding, vLLM's form: ``{"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+        (or a :class:`~jaxpaged.spec_decode.SpeculativeConfig`). A decoding sequence proposes
+        the tokens that followed the latest earlier occurrence of its last few tokens, and
+        one step checks them all; outputs stay the ones decoding without it gives. Pays
+        where outputs repeat their input or themselves (edits, extraction, code). None: off.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int | None = None,
@@ -102,12 +109,13 @@ class LLM:
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute", swap_space: int | str = 0,
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
-                 kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False):
+                 kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False,
+                 speculative_config: SpeculativeConfig | dict | None = None):
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling,
-                          kv_cache_dtype, data_parallel_size)
+                          kv_cache_dtype, data_parallel_size, speculative_config)
         request_cpu_devices(data_parallel_size * tensor_parallel_size)  # CPU: made here if jax has not started
         replica_devices = data_parallel_devices(data_parallel_size, tensor_parallel_size)
         if enable_dp_attention and replica_devices is None:
@@ -147,7 +155,7 @@ class LLM:
                                   block_bytes=block_bytes, model_id=str(lm.source))
             scheduler = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, eos_ids=self.eos_ids,
-                                  preemption_mode=preemption_mode)
+                                  preemption_mode=preemption_mode, speculative_config=args.speculative_config)
             runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
                                  max_model_len=self.max_model_len, eos_ids=self.eos_ids,
                                  num_host_blocks=bm.num_host_blocks, dtype=self.kv_cache_dtype, device=device)
@@ -343,9 +351,21 @@ class LLM:
             "num_swapped_out_blocks": self.scheduler.num_swapped_out_blocks,  # total over the run
             "num_host_blocks_used": m.num_host_blocks_used,
             "num_steps": self.core.num_steps, "num_compiled_shapes": len(self.runner.compiled_shapes),
+            **self.spec_decode_stats(),
             "time_schedule_s": t.schedule, "time_batch_s": self.runner.time_batch,
             "time_device_s": self.runner.time_device, "time_postprocess_s": t.update,
         }
+
+
+    def spec_decode_stats(self) -> dict[str, Any]:
+        """Speculative decoding's totals over the run (zeros without ``speculative_config``):
+        chunks with drafts, drafts, drafts accepted, their ratio and the mean tokens a
+        drafting chunk gained (vLLM's acceptance length: accepted + 1)."""
+        s = self.scheduler
+        return {"spec_num_drafts": s.num_drafts, "spec_num_draft_tokens": s.num_draft_tokens,
+                "spec_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
+                "spec_mean_acceptance_length": 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else 0.0}
 
 
 def generate(prompts: PromptType | Seq[PromptType], model: str | Path | LoadedModel | None = None,

@@ -11,6 +11,7 @@ import re
 
 from jaxpaged.attention import BACKENDS, resolve_backend
 from jaxpaged.kv_cache import check_kv_cache_dtype
+from jaxpaged.spec_decode import SpeculativeConfig, as_speculative_config
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
 DEVICE_KV_FRACTION = 0.5  # of a GPU's or TPU's memory still free after loading the weights
@@ -62,8 +63,10 @@ class EngineArgs:
     async_scheduling: bool = True
     kv_cache_dtype: str = "auto"
     data_parallel_size: int = 1
+    speculative_config: SpeculativeConfig | dict | None = None  # a dict becomes a SpeculativeConfig
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", as_speculative_config(self.speculative_config))
         if self.block_size is not None:
             _check_int("block_size", self.block_size, 1)
             if self.block_size & (self.block_size - 1) or self.block_size > 256:

@@ -71,6 +71,7 @@ import numpy as np
 from jaxpaged.allocator import KVAllocator
 from jaxpaged.outputs import FinishReason, Logprob
 from jaxpaged.sequence import Request, RequestStatus, Sequence
+from jaxpaged.spec_decode import SpeculativeConfig
 from jaxpaged.stopping import check_stop, is_stop_token
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,23 @@ class ScheduledSeq:
     num_samples: int = 0  # rows this chunk samples: 0 (mid-prompt), 1, or n (the first token of n > 1)
     block_table: list[int] = dataclasses.field(default_factory=list)  # set once the step is decided
     num_slots: int = 0  # positions with a reserved slot, set with the block table
+    # Speculative decoding: draft tokens that follow the sequence's last token in this chunk
+    # (counted in num_new_tokens), each sampled at its position besides the last token's row.
+    draft: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         return self.num_samples > 0
+
+    @property
+    def num_rows(self) -> int:
+        """Sampling rows of this chunk: ``num_samples``, and one per draft."""
+        return self.num_samples + len(self.draft)
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The chunk's tokens the host knows: the sequence's, then the drafts."""
+        return self.seq.token_ids[self.start:self.start + self.num_new_tokens - len(self.draft)] + self.draft
 
 
 @dataclasses.dataclass
@@ -108,6 +122,8 @@ class SchedulerOutput:
     block_ops: list[tuple[str, int, int]]
     preempted: list[Request]
     finished: list[Request]  # finished while scheduling (cannot fit the pool even alone)
+    # A sampling row may speculate in the next step, which then needs its token on the host.
+    speculates: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -118,13 +134,15 @@ class SchedulerOutput:
         """Whether the next step may be scheduled before this one's tokens reach the host:
         not when a row forks (the first token of ``n > 1``) or ranks beams, whose new
         sequences only exist once the host has seen the tokens, nor when a row with a
-        structured output samples: its next bitmask needs the token."""
-        return not any(s.num_samples > 1 or s.seq.request.is_beam_search
+        structured output samples (its next bitmask needs the token), nor when a sequence
+        has drafts or may propose some next (``speculates``): where its next step starts
+        depends on how many are accepted, and its drafts follow the token it samples."""
+        return not self.speculates and not any(s.num_samples > 1 or s.seq.request.is_beam_search or s.draft
                        or (s.num_samples and s.seq.matcher is not None) for s in self.scheduled)
 
 
 class SampledRows(Protocol):
-    """What a step sampled, one row per ``num_samples`` of each scheduled sequence, in order."""
+    """What a step sampled, ``num_rows`` rows per scheduled sequence, in order."""
 
     tokens: np.ndarray  # [R] int
     logprobs: np.ndarray  # [R] float: of the sampled token, under the raw distribution
@@ -153,7 +171,8 @@ class RunnerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVAllocator, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 eos_ids: tuple[int, ...] = (), preemption_mode: str = "recompute"):
+                 eos_ids: tuple[int, ...] = (), preemption_mode: str = "recompute",
+                 speculative_config: SpeculativeConfig | None = None):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={preemption_mode!r}; choose 'recompute' or 'swap'")
         if preemption_mode == "swap" and not kv.num_host_blocks:
@@ -164,6 +183,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
         self.preemption_mode = preemption_mode
+        self.speculative_config = speculative_config
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in arrival order
         self.swapped: collections.deque[Request] = collections.deque()  # in arrival order
@@ -173,6 +193,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0  # total over the run
         self.num_dropped_tokens = 0  # sampled for sequences that had finished meanwhile (async scheduling)
+        # Speculative decoding, totals over the run: chunks with drafts, drafts, drafts accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---- requests -------------------------------------------------------------------
 
@@ -227,18 +251,60 @@ class Scheduler:
             if not reserved:
                 continue  # req was preempted or finished; running[i] is the next one
             budget -= self._add(out, req, plan)
+            if self.speculative_config is not None:
+                budget -= self._speculate(out.scheduled[-1], budget, out)
             i += 1
         if not out.preempted:
             self._resume(out, budget)
+        out.speculates = any(map(self._may_speculate, out.scheduled))
         for s in out.scheduled:
             s.block_table = self.kv.block_table(s.seq.seq_id)
             s.num_slots = self.kv.num_tokens(s.seq.seq_id)
             # Computed as far as the host is concerned: the step is decided and runs before
-            # any later one, so the next schedule() may start where this one ends.
+            # any later one, so the next schedule() may start where this one ends (drafts
+            # included, until update_from_output learns how many were accepted).
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
             if s.samples:
                 s.seq.num_pending += 1  # 2 while the step before this one is still running
         return out
+
+    def _speculate(self, s: ScheduledSeq, budget: int, out: SchedulerOutput) -> int:
+        """Give the chunk ``s`` just planned its drafts (see :mod:`jaxpaged.spec_decode`), if its
+        request may speculate; returns the budget they take."""
+        seq, req, spec = s.seq, s.seq.request, self.speculative_config
+        p = req.params
+        if not self._may_speculate(s) or s.num_new_tokens != 1 or seq.num_pending:
+            return 0
+        # Every position computed stays below max_model_len, and every token gained within max_tokens.
+        limit = min(budget, self.max_model_len - len(seq.token_ids) - 1)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
+        draft = spec.propose(seq.token_ids, limit) if limit > 0 else []
+        # Only slots the pool has to spare: drafts never preempt, nor take the blocks running
+        # sequences grow into (the watermark admission keeps free for them).
+        bs = self.kv.block_size
+        while draft:
+            extra = s.start + 1 + len(draft) - self.kv.num_tokens(seq.seq_id)
+            spare = self.kv.num_allocatable_blocks - (-(-extra // bs) + 1) >= self.kv.watermark_blocks
+            if extra <= 0 or (spare and self.kv.can_append_slots(seq.seq_id, extra)):
+                break
+            draft.pop()
+        if not draft:
+            return 0
+        extra = s.start + 1 + len(draft) - self.kv.num_tokens(seq.seq_id)
+        if extra > 0:
+            out.block_ops += [("copy", a, b) for a, b in self.kv.append_slots(seq.seq_id, extra)]
+        s.draft = draft
+        s.num_new_tokens += len(draft)
+        return len(draft)
+
+    def _may_speculate(self, s: ScheduledSeq) -> bool:
+        """Whether the chunk ``s`` samples for a request that speculates (one sequence, no beam
+        search, structured output or penalties) while the batch is small enough."""
+        spec, req = self.speculative_config, s.seq.request
+        return (spec is not None and s.num_samples == 1 and s.seq.matcher is None and req.max_live_seqs == 1
+                and not req.is_beam_search and not req.params.has_penalties
+                and (spec.disable_by_batch_size is None or len(self.running) < spec.disable_by_batch_size))
 
     def _waits_for_tokens(self, req: Request, live: list[Sequence]) -> bool:
         """Whether ``req`` sits this step out because a token it sampled is still on the device
@@ -548,25 +614,42 @@ class Scheduler:
         tokens, logprobs, ranks = (x.tolist() for x in (sampled.tokens, sampled.logprobs, sampled.ranks)) \
             if sampled is not None else ((), (), ())
         for req, entries in itertools.groupby(out.scheduled, key=lambda s: s.seq.request):
-            rows = []
+            rows, drafted = [], None
             for s in entries:
                 if s.seq.finished:
-                    self.num_dropped_tokens += s.num_samples
+                    self.num_dropped_tokens += s.num_rows
                 else:
-                    rows += [(s.seq, row + k) for k in range(s.num_samples)]
-                row += s.num_samples
+                    rows += [(s.seq, row + k) for k in range(s.num_rows)]
+                    drafted = s if s.draft else None
+                row += s.num_rows
             if not rows:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            if drafted is not None:  # one sequence, one row per position: keep the drafts sampled there
+                seq, first = drafted.seq, rows[0][1]
+                accepted = 0
+                while accepted < len(drafted.draft) and tokens[first + accepted] == drafted.draft[accepted]:
+                    accepted += 1
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafted.draft)
+                self.num_accepted_tokens += accepted
+                # K/V holds the last token and the accepted drafts; the rejected ones' slots are
+                # written again by the next step (they stay reserved).
+                seq.num_computed_tokens = drafted.start + 1 + accepted
+                rows = rows[:accepted + 1]
+                seq.num_pending += accepted  # _append counts one pending token off per token
             if req.is_beam_search:
                 self._step_beams(req, rows, sampled)
                 continue
-            if len(rows) > 1 and rows[0][0] is rows[1][0]:  # the first token of n > 1: fork the samples
+            if drafted is None and len(rows) > 1 and rows[0][0] is rows[1][0]:  # the first token of n > 1: fork
                 parent = rows[0][0]
                 req.seqs = [parent] + [self._fork(parent, k) for k in range(1, len(rows))]
                 rows = [(seq, i) for seq, (_, i) in zip(req.seqs, rows)]
             for seq, i in rows:
+                if seq.finished:  # a stop among a sequence's accepted drafts: the rest are dropped
+                    seq.num_pending = 0
+                    break
                 self._append(seq, tokens[i], logprobs[i],
                              self._entry(req, sampled, i, tokens[i], ranks[i], logprobs[i]))
             if not req.live_seqs():
