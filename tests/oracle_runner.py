@@ -13,6 +13,12 @@ model, and must equal those it gets alone. Beam search gets deterministic top-k 
 It follows the model runner's protocol, async scheduling included: ``dispatch`` runs the
 step at once but the host only sees its tokens in ``collect``; a step dispatched before
 the previous one was collected takes each pending token from the previous step's rows.
+Speculative decoding's rows at a sequence's drafts read the drafts back too.
+
+``markov``: the distribution depends on the context's last ``markov`` tokens only (0: on the
+whole context) and its ids are :data:`MARKOV_ALPHABET` (word pieces of the default tokenizer,
+so that stop strings still match), so that outputs soon repeat themselves and n-gram drafts
+are accepted.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from jaxpaged.sampler import SamplerOutput
 from jaxpaged.scheduler import RunnerOutput, SchedulerOutput
 
 TOP_K = 8
+MARKOV_ALPHABET = range(260, 272)
 
 
 def _hash(*parts) -> int:
@@ -42,7 +49,7 @@ class _Step:
 
 class OracleRunner:
     def __init__(self, *, num_blocks: int, block_size: int, num_host_blocks: int, max_model_len: int,
-                 vocab_size: int, eos_ids: tuple[int, ...]):
+                 vocab_size: int, eos_ids: tuple[int, ...], markov: int = 0):
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.vocab_size = vocab_size
@@ -50,6 +57,7 @@ class OracleRunner:
         self.pool = np.full((num_blocks, block_size, 2), -1, np.int64)  # (token, position) per slot
         self.host = np.full((max(num_host_blocks, 1), block_size, 2), -1, np.int64)
         self.num_steps = 0
+        self.markov = markov
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(out))
@@ -82,19 +90,20 @@ class OracleRunner:
         tokens, logprobs = np.zeros(rows, np.int64), np.zeros(rows)
         top_ids, top_lps = np.zeros((rows, TOP_K), np.int64), np.zeros((rows, TOP_K))
         seq_row = {id(s.seq): i for i, s in enumerate(out.scheduled)}
-        for r, row in enumerate(batch.rows):
+        chunks = {id(s.seq): s for s in out.scheduled}
+        for r, row in enumerate(batch.rows):  # (not split_decodes: sequence i is row i)
             seq, i = row.seq, seq_row[id(row.seq)]
-            ctx = int(batch.context_lens[i])
+            ctx = int(batch.context_lens[i]) - row.ahead  # a draft's row sees the positions up to it
             table = batch.block_tables[i]
             got = self.pool[table[np.arange(ctx) // self.block_size], np.arange(ctx) % self.block_size]
-            known = seq.token_ids[:ctx]
+            known = (seq.token_ids + chunks[id(seq)].draft)[:ctx]
             if ctx > len(known):  # its last input is pending: the previous step sampled it
                 known = known + [int(prev.result.sampled.tokens[prev.rows[seq.seq_id]])]
             want = np.asarray(known)
             bad = np.flatnonzero((got[:, 0] != want) | (got[:, 1] != np.arange(ctx)))
             assert not bad.size, (f"sequence {seq.seq_id} of request {seq.request.request_id}: position {bad[0]} "
                                   f"reads (token, position) {tuple(got[bad[0]])}, wants ({want[bad[0]]}, {bad[0]})")
-            top_ids[r], top_lps[r] = self._distribution(tuple(want.tolist()))
+            top_ids[r], top_lps[r] = self._distribution(tuple(want.tolist()[-self.markov:]))
             p = seq.request.params
             num_outputs = ctx - seq.num_prompt_tokens  # tokens before the one this row draws
             banned = set(self.eos_ids) | set(p.stop_token_ids) if num_outputs < p.min_tokens else set()
@@ -111,8 +120,9 @@ class OracleRunner:
     def _distribution(self, context: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """TOP_K distinct token ids with descending logprobs, a function of the context only."""
         ids, h = [], _hash(context)
+        alphabet = MARKOV_ALPHABET if self.markov else range(3, self.vocab_size)
         while len(ids) < TOP_K:
-            t = h % (self.vocab_size - 3) + 3
+            t = alphabet[h % len(alphabet)]
             if t not in ids:
                 ids.append(t)
             h = _hash(h)

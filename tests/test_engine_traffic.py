@@ -152,8 +152,8 @@ def preemption_bound(res, block_size: int) -> None:
     # Aborted requests also allocated: the bound above only grows with them, so it is left out.
 
 
-def alone_engine(model, oracle: bool):
-    llm = traffic.engine(model, oracle=oracle, **ROOMY)
+def alone_engine(model, oracle: bool, **options):
+    llm = traffic.engine(model, oracle=oracle, **{**ROOMY, **options})
     cache = {}
 
     def alone(a, logprobs=None):
@@ -168,14 +168,16 @@ def alone_engine(model, oracle: bool):
     return alone
 
 
-def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
-    alone = alone_engine(model, oracle)
+def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int, options=None, alone_options=None):
+    """``options(seed)``: engine options a round adds to its own; ``alone_options``: the alone engine's."""
+    alone = alone_engine(model, oracle, **(alone_options or {}))
     totals = dict(requests=0, finished=0, aborted=0, rejected=0, compared=0, preemptions=0, swapped_blocks=0,
                   cut=0, cut_alone_too=0, forks=0, beams=0, stopped_by_string=0, contiguous=0, async_rounds=0,
-                  steps_ahead=0, dropped_tokens=0)
+                  steps_ahead=0, dropped_tokens=0, draft_tokens=0, accepted_tokens=0)
     for seed in rounds:
         rnd = traffic.make_round(seed, num_requests=num_requests, vocab_size=model.config.vocab_size,
                                  any_geometry=oracle)
+        rnd.engine.update(options(seed) if options else {})
         res = traffic.run_round(model, rnd, oracle=oracle)
         assert res.max_live_seqs <= rnd.engine["max_num_seqs"]
         totals["compared"] += assert_same_as_alone(res, alone, ties=not oracle)
@@ -193,6 +195,8 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int):
         totals["async_rounds"] += rnd.engine["async_scheduling"]
         totals["steps_ahead"] += res.num_steps_ahead
         totals["dropped_tokens"] += res.num_dropped_tokens
+        totals["draft_tokens"] += res.num_draft_tokens
+        totals["accepted_tokens"] += res.num_accepted_tokens
         for a, o in res.finished:
             totals["cut"] += id(o) in res.cut
             totals["forks"] += a.params.n > 1 and not a.params.use_beam_search

@@ -56,6 +56,8 @@ class Result:
     num_steps_ahead: int = 0  # async scheduling: steps scheduled while the previous one ran
     num_dropped_tokens: int = 0  # async scheduling: tokens sampled after their sequence had finished
     cut: set[int] = dataclasses.field(default_factory=set)  # id() of the final outputs of requests cut short
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed, and accepted
+    num_accepted_tokens: int = 0
 
 
 class _CutRequests(logging.Handler):
@@ -146,13 +148,15 @@ def check_scheduler(llm: LLM) -> None:
             assert newest_running < oldest_queued, "a request runs while an older one waits"
 
 
-def engine(model, *, oracle: bool, **options) -> LLM:
-    """An engine over ``model``; with ``oracle``, its steps run ``OracleRunner`` instead of the model."""
+def engine(model, *, oracle: bool, oracle_markov: int = 0, **options) -> LLM:
+    """An engine over ``model``; with ``oracle``, its steps run ``OracleRunner`` instead of the model
+    (``oracle_markov``: its ``markov``)."""
     llm = LLM(model, **options)
     if oracle:
         runners = [OracleRunner(num_blocks=s.kv.num_usable_blocks + 1, block_size=llm.block_size,
                                 num_host_blocks=s.kv.num_host_blocks, max_model_len=llm.max_model_len,
-                                vocab_size=llm.config.vocab_size, eos_ids=llm.eos_ids) for s in replicas(llm)]
+                                vocab_size=llm.config.vocab_size, eos_ids=llm.eos_ids, markov=oracle_markov)
+                   for s in replicas(llm)]
         llm.core.runner = runners[0] if len(runners) == 1 else DataParallelRunner(runners)
     return llm
 
@@ -177,6 +181,8 @@ def run_round(model, rnd: Round, *, oracle: bool, max_steps: int = 5000) -> Resu
     res.num_swapped_out_blocks = stats["num_swapped_out_blocks"]
     res.num_steps_ahead = llm.core.num_steps_ahead
     res.num_dropped_tokens = llm.scheduler.num_dropped_tokens
+    res.num_draft_tokens = llm.scheduler.num_draft_tokens
+    res.num_accepted_tokens = llm.scheduler.num_accepted_tokens
     return res
 
 

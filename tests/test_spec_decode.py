@@ -1,0 +1,183 @@
+"""Speculative decoding with n-gram drafts (``speculative_config``, :mod:`jaxpaged.spec_decode`).
+
+What must hold: the proposer finds what a plain search finds; a drafting engine gives every
+request the tokens it gets without drafts (greedy and seeded, logprobs, stops, min_tokens)
+under random traffic with small pools, preemption (recompute and swap), aborts and async
+scheduling, and leaks nothing; drafts are really proposed and accepted (and rejected); the
+requests that must not speculate do not; bad configs are refused by name.
+"""
+
+import numpy as np
+import pytest
+import test_engine_traffic as traffic_tests
+from hypothesis import given, settings, strategies as st
+
+from jaxpaged import LLM, SamplingParams, SpeculativeConfig
+from jaxpaged.engine_args import EngineArgs
+from jaxpaged.spec_decode import propose_ngram
+
+
+def naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The longest suffix of n_min..n_max tokens, its latest earlier occurrence, then k tokens
+    copied from after it one at a time (the copy may run into the tokens it copies)."""
+    for n in range(n_max, n_min - 1, -1):
+        if n >= len(tokens):
+            continue
+        for i in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[i:i + n] == tokens[len(tokens) - n:]:
+                ext = list(tokens)
+                for j in range(k):
+                    ext.append(ext[i + n + j])
+                return ext[len(tokens):]
+    return []
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
+def test_the_proposer_finds_what_a_plain_search_finds(tokens, k, n_min, extra):
+    assert propose_ngram(tokens, k, n_min, n_min + extra) == naive_ngram(tokens, k, n_min, n_min + extra)
+
+
+def test_proposals_by_hand():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
+    assert propose_ngram([5, 1, 2, 9, 1, 2, 7, 2], 2, 1, 3) == [7, 2]  # the latest occurrence of [2]
+    assert propose_ngram([7, 7, 7], 4, 1, 2) == [7, 7, 7, 7]  # a loop shorter than k goes on
+    assert propose_ngram([1, 2, 3], 3, 1, 2) == []
+    assert propose_ngram([1, 2, 1, 2], 0, 1, 2) == []
+
+
+@pytest.mark.parametrize("config, error, pattern", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, ValueError, "method='eagle'"),
+    ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens=0"),
+    ({"num_speculative_tokens": 2.0}, TypeError, "num_speculative_tokens must be an int"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, ValueError,
+     "prompt_lookup_min=4 is more than prompt_lookup_max=2"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_maxx": 2}, ValueError, "unknown fields"),
+    ({"method": "ngram"}, ValueError, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, ValueError, "disable_by_batch_size=0"),
+    ("ngram", TypeError, "must be a dict"),
+])
+def test_bad_configs_are_refused_by_name(config, error, pattern):
+    with pytest.raises(error, match=pattern):
+        EngineArgs(speculative_config=config)
+
+
+def test_lookup_defaults_follow_vllm():
+    assert SpeculativeConfig(3).prompt_lookup_min == SpeculativeConfig(3).prompt_lookup_max == 5
+    c = SpeculativeConfig(3, prompt_lookup_max=4)
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    assert EngineArgs(speculative_config={"num_speculative_tokens": 3}).speculative_config == SpeculativeConfig(3)
+
+
+def _spec_options(seed: int) -> dict:
+    rng = np.random.default_rng([seed, 7])
+    n_min = int(rng.integers(1, 3))
+    config = {"num_speculative_tokens": int(rng.integers(1, 6)), "prompt_lookup_min": n_min,
+              "prompt_lookup_max": n_min + int(rng.integers(0, 3))}
+    if rng.random() < 0.2:
+        config["disable_by_batch_size"] = int(rng.integers(1, 4))
+    return {"speculative_config": config, "oracle_markov": 1}
+
+
+def test_random_traffic_with_drafts_and_the_paging_oracle(tiny_engine_model):
+    """Rounds of ``traffic.py``'s traffic (small pools, preemption by recompute and swap,
+    prefix caching, aborts, async scheduling, every kind of request) on drafting engines;
+    the oracle reads every context back, the drafts' included, and each request must get the
+    tokens it gets alone on an engine without drafts. The oracle's distribution follows the
+    last token, over a few ids, so outputs repeat and drafts are accepted."""
+    t = traffic_tests.run_rounds(tiny_engine_model, oracle=True, rounds=range(3000, 3040), num_requests=30,
+                                 options=_spec_options, alone_options={"oracle_markov": 1})
+    assert t["requests"] >= 1000 and t["compared"] >= 700 and t["cut_alone_too"] == t["cut"]
+    assert 0 < t["accepted_tokens"] < t["draft_tokens"], t  # drafts kept and drafts rejected
+    for key in ("aborted", "preemptions", "swapped_blocks", "async_rounds", "steps_ahead", "forks", "beams",
+                "stopped_by_string"):
+        assert t[key] > 0, (key, t)
+
+
+def test_random_traffic_with_drafts_on_the_tiny_model(small_vocab_engine_model):
+    """The same on the tiny random model itself (real kernels and sampler; its greedy outputs
+    soon loop), against its tokens alone without drafts up to float32 ties."""
+    t = traffic_tests.run_rounds(small_vocab_engine_model, oracle=False, rounds=range(3100, 3102),
+                                 num_requests=traffic_tests.MODEL_REQUESTS, options=lambda seed: {
+                                     "speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                                            "prompt_lookup_max": 2}})
+    assert t["compared"] >= 20 and 0 < t["accepted_tokens"] < t["draft_tokens"], t
+
+
+PROMPTS = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Again: apple, banana,",
+           "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+           "# the same function, renamed:\ndef fibonacci(n):\n",
+           "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def smollm_engines(smollm):
+    plain = LLM(smollm, max_num_seqs=8, enable_prefix_caching=False)
+    drafting = LLM(smollm, max_num_seqs=8, enable_prefix_caching=False,
+                   speculative_config={"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    return plain, drafting
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40),
+    SamplingParams(temperature=0, max_tokens=40, stop=["grape"], min_tokens=3),
+], ids=["greedy-logprobs", "seeded", "stop-string"])
+def test_the_default_model_gives_the_same_tokens_with_drafts(smollm_engines, params):
+    plain, drafting = smollm_engines
+    before = drafting.stats()
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = drafting.generate(PROMPTS, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        a, b = w.outputs[0], g.outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason,
+                                                                          a.stop_reason)
+        if params.logprobs:
+            assert [set(x) for x in b.logprobs] == [set(x) for x in a.logprobs]
+            np.testing.assert_allclose([x[t].logprob for x, t in zip(b.logprobs, b.token_ids)],
+                                       [x[t].logprob for x, t in zip(a.logprobs, a.token_ids)], atol=1e-4)
+    after = drafting.stats()
+    assert after["spec_num_accepted_tokens"] > before["spec_num_accepted_tokens"]
+    assert after["num_used_blocks"] == 0
+    # The list and the renamed function repeat their prompts: most drafts hold.
+    assert after["spec_mean_acceptance_length"] > 2
+
+
+def test_requests_that_must_not_speculate_do_not(smollm_engines):
+    """n > 1, beam search, penalties and structured outputs decode one token at a time, beside
+    a request that drafts in the same steps; each gets its tokens without drafts."""
+    from jaxpaged import StructuredOutputsParams
+
+    plain, drafting = smollm_engines
+    kinds = [SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=24),
+             SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=12),
+             SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=24),
+             SamplingParams(temperature=0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(choice=["apple", "banana"]))]
+    for params in kinds:
+        before = drafting.stats()["spec_num_drafts"]
+        want = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+        got = drafting.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], params
+        assert drafting.stats()["spec_num_drafts"] == before, params
+    # Beside a drafting request, in one batch.
+    mixed = [SamplingParams(temperature=0, max_tokens=24), kinds[2]]
+    want = [plain.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0].token_ids for p in mixed]
+    before = drafting.stats()["spec_num_drafts"]
+    got = drafting.generate(PROMPTS[:1] * 2, mixed, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert drafting.stats()["spec_num_drafts"] > before
+
+
+def test_drafts_stop_at_max_tokens_and_max_model_len(smollm):
+    """A draft never carries a sequence past ``max_tokens`` or ``max_model_len``."""
+    llm = LLM(smollm, max_model_len=48, enable_prefix_caching=False,
+              speculative_config={"num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    prompt = llm.tokenizer.encode("one two one two one two one two one two")
+    for max_tokens in (1, 2, 3, 7):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+    out = llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, max_tokens=None), use_tqdm=False)[0]
+    assert len(prompt) + len(out.outputs[0].token_ids) == 48
+    assert llm.stats()["spec_num_accepted_tokens"] > 0 and llm.stats()["num_used_blocks"] == 0
