@@ -94,10 +94,23 @@ def test_random_traffic_with_drafts_and_the_paging_oracle(tiny_engine_model):
         assert t[key] > 0, (key, t)
 
 
-def test_random_traffic_with_drafts_on_the_tiny_model(small_vocab_engine_model):
-    """The same on the tiny random model itself (real kernels and sampler; its greedy outputs
-    soon loop), against its tokens alone without drafts up to float32 ties."""
-    t = traffic_tests.run_rounds(small_vocab_engine_model, oracle=False, rounds=range(3100, 3102),
+def test_random_traffic_with_drafts_on_the_tiny_model(small_vocab_engine_model, monkeypatch):
+    """The same on the tiny random model itself (real kernels and sampler), its prompts made
+    periodic (a few ids repeated) so that every step has drafts to check; against its tokens
+    alone without drafts, up to float32 ties."""
+    make_round = traffic_tests.traffic.make_round
+
+    def periodic(seed, **kw):
+        rnd = make_round(seed, **kw)
+        rng = np.random.default_rng([seed, 8])
+        for a in rnd.arrivals:
+            if isinstance(a.prompt, list):
+                period = rng.integers(3, 300, int(rng.integers(1, 4))).tolist()
+                a.prompt = (period * 64)[:len(a.prompt) + len(period)]
+        return rnd
+
+    monkeypatch.setattr(traffic_tests.traffic, "make_round", periodic)
+    t = traffic_tests.run_rounds(small_vocab_engine_model, oracle=False, rounds=range(3100, 3103),
                                  num_requests=traffic_tests.MODEL_REQUESTS, options=lambda seed: {
                                      "speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                                             "prompt_lookup_max": 2}})
