@@ -52,6 +52,10 @@ class SchedulerStats:
     num_blocks: int = 1
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0  # total over the engine's life
+    # Speculative decoding, totals over the engine's life: chunks with drafts, drafts, accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -351,7 +355,9 @@ class AsyncLLM:
         stats = SchedulerStats(
             num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
             num_used_blocks=mem.num_used_blocks, num_blocks=mem.num_blocks,
-            prefix_cache_hit_rate=self.llm.bm.prefix_cache_stats.hit_rate, num_preemptions=sched.num_preemptions)
+            prefix_cache_hit_rate=self.llm.bm.prefix_cache_stats.hit_rate, num_preemptions=sched.num_preemptions,
+            spec_num_drafts=sched.num_drafts, spec_num_draft_tokens=sched.num_draft_tokens,
+            spec_num_accepted_tokens=sched.num_accepted_tokens)
         it = IterationStats(stats)
         now = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

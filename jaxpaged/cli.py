@@ -25,6 +25,16 @@ _SAMPLING = [  # (flag, type, SamplingParams field)
 ]
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The ``LLM`` options, shared by ``jaxpaged-generate`` and ``jaxpaged-serve``; see ``engine_kwargs``."""
     e = p.add_argument_group("engine")
@@ -54,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule each step only after the previous one finished (default: while it runs)")
+    e.add_argument("--speculative-config", type=_json_object,
+                   help='speculative decoding with n-gram drafts, as vLLM: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     return e
 
 
@@ -67,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, seed=args.engine_seed,
                 tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling,
                 kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size,
-                enable_dp_attention=args.enable_dp_attention)
+                enable_dp_attention=args.enable_dp_attention, speculative_config=args.speculative_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics (``GET /metrics``), vLLM's set under the ``jaxpaged:`` prefix.
 
-The engine's state (running, waiting, KV usage, prefix hit rate, preemptions) is read at
+The engine's state (running, waiting, KV usage, prefix hit rate, preemptions, speculative
+decoding's drafts) is read at
 scrape time from ``AsyncLLM.stats``; token counts and latencies are recorded from the
 engine thread's ``IterationStats`` after every step. Each server has its own registry.
 """
@@ -38,6 +39,12 @@ class _EngineState:
         ):
             yield GaugeMetricFamily(f"jaxpaged:{name}", doc, value=value)
         yield CounterMetricFamily("jaxpaged:num_preemptions", "Preemptions since start.", value=s.num_preemptions)
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Sequence steps with drafts (speculative decoding).", s.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"jaxpaged:{name}", doc, value=value)
 
 
 class Metrics:

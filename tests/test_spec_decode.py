@@ -194,3 +194,50 @@ def test_drafts_stop_at_max_tokens_and_max_model_len(smollm):
     out = llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, max_tokens=None), use_tqdm=False)[0]
     assert len(prompt) + len(out.outputs[0].token_ids) == 48
     assert llm.stats()["spec_num_accepted_tokens"] > 0 and llm.stats()["num_used_blocks"] == 0
+
+
+def test_the_server_streams_drafted_tokens_and_counts_them(smollm, smollm_engines):
+    """Served with drafts: completions, streamed or not, equal the offline engine's without
+    drafts, and /metrics counts the drafts."""
+    import httpx
+    import openai
+    import test_server as ts
+
+    plain, _ = smollm_engines
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    s = ts.Running(LLM(smollm, max_num_seqs=4, num_blocks=64, speculative_config=config))
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=ts.KEY, max_retries=0, timeout=120)
+        want = [o.outputs[0].text for o in plain.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=32),
+                                                          use_tqdm=False)]
+        r = c.completions.create(model=ts.MODEL, prompt=PROMPTS[:2], max_tokens=32, temperature=0)
+        assert [ch.text for ch in r.choices] == want
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=ts.MODEL, prompt=PROMPTS[0], max_tokens=32, temperature=0, stream=True))
+        assert streamed == want[0]
+        with httpx.Client(base_url=s.url, headers=ts.AUTH, timeout=60) as http:
+            m = ts.wait_idle(http)
+        assert 0 < m["jaxpaged:spec_decode_num_accepted_tokens_total"] <= m["jaxpaged:spec_decode_num_draft_tokens_total"]
+        assert m["jaxpaged:spec_decode_num_drafts_total"] > 0
+    finally:
+        s.stop()
+
+
+def test_the_command_line_takes_a_speculative_config(capsys, tiny_engine_folder):
+    import json
+
+    from jaxpaged.cli import main
+
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    assert main(["--model", str(tiny_engine_folder), "--json", "--max-tokens", "12", "--ignore-eos",
+                 "--temperature", "0", "--speculative-config", config, "1 2 1 2 1 2 1 2"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["--model", str(tiny_engine_folder), "--json", "--max-tokens", "12", "--ignore-eos",
+                 "--temperature", "0", "1 2 1 2 1 2 1 2"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0]) == json.loads(plain.splitlines()[0])
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_engine_folder), "--speculative-config", "{ngram", "hi"])
+    assert "--speculative-config: not JSON" in capsys.readouterr().err
+    assert main(["--model", str(tiny_engine_folder), "--speculative-config",
+                 '{"method": "medusa", "num_speculative_tokens": 2}', "hi"]) != 0
+    assert "speculative_config method='medusa' is not supported" in capsys.readouterr().err
