@@ -49,7 +49,8 @@ class DataParallelOutput(SchedulerOutput):
     @classmethod
     def of(cls, parts: list[SchedulerOutput]) -> DataParallelOutput:
         return cls([s for p in parts for s in p.scheduled], [op for p in parts for op in p.block_ops],
-                   [r for p in parts for r in p.preempted], [r for p in parts for r in p.finished], parts)
+                   [r for p in parts for r in p.preempted], [r for p in parts for r in p.finished],
+                   speculates=any(p.speculates for p in parts), parts=parts)
 
 
 @dataclasses.dataclass

@@ -160,6 +160,42 @@ def test_random_traffic_on_the_model_with_dp_attention(model):
                                                                              "async_rounds"))
 
 
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+def test_random_traffic_with_drafts_on_two_replicas(model):
+    """Speculative decoding on each replica, under the oracle's random traffic (its outputs
+    repeat themselves, so drafts are accepted): each request gets its tokens alone on one
+    replica without drafts, and nothing leaks (``run_round``)."""
+    alone = alone_engine(model, oracle=True, oracle_markov=1)
+    totals = dict(compared=0, draft_tokens=0, accepted_tokens=0)
+    for seed in range(8):
+        rnd = traffic.make_round(seed, num_requests=30, vocab_size=model.config.vocab_size, any_geometry=True)
+        rnd.engine.update(data_parallel_size=2, speculative_config=SPEC, oracle_markov=1)
+        res = traffic.run_round(model, rnd, oracle=True)
+        totals["compared"] += assert_same_as_alone(res, alone)
+        totals["draft_tokens"] += res.num_draft_tokens
+        totals["accepted_tokens"] += res.num_accepted_tokens
+    print(totals)
+    assert totals["compared"] >= 150 and 0 < totals["accepted_tokens"] < totals["draft_tokens"]
+
+
+@pytest.mark.parametrize("dp_attention", [False, True])
+def test_drafts_on_two_replicas_give_the_tokens_of_one_without(model, dp_attention):
+    """Periodic prompts, greedy and seeded, on two replicas (as separate programs or one) with
+    drafts: the tokens one replica gives without drafts, drafts checked on both replicas."""
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": (rng.integers(3, 300, int(p)).tolist() * 20)[:24]} for p in (1, 2, 3, 2, 1, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)] * 3
+    one = LLM(model, **ENGINE).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, data_parallel_size=2, enable_dp_attention=dp_attention, speculative_config=SPEC, **ENGINE)
+    two = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    assert all(p.num_draft_tokens > 0 for p in llm.scheduler.parts)
+    assert llm.stats()["num_used_blocks"] == 0
+
+
 def test_errors_name_the_setting(model):
     with pytest.raises(ValueError, match="data_parallel_size=3 needs 3 devices, but only 2"):
         LLM(model, data_parallel_size=3, **ENGINE)
