@@ -105,15 +105,23 @@ def propose_ngram(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
     if k < 1 or num < n_min + 1:
         return []
     tokens = np.asarray(token_ids, np.int64)
-    for n in range(min(n_max, num - 1), n_min - 1, -1):
-        # Occurrences starting at i <= num - 1 - n: each has at least one token after it.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:num - 1], n)
-        hits = np.flatnonzero((windows == tokens[num - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            drafts = tokens[start:start + k].tolist()
-            period = num - start  # > 0: the occurrence ends before the suffix
-            while len(drafts) < k:
-                drafts.append(drafts[len(drafts) - period])
-            return drafts
-    return []
+    # Where earlier occurrences could end: positions before the last that hold the last token.
+    # Each round keeps those whose match reaches one token further back.
+    ends = np.flatnonzero(tokens[:num - 1] == tokens[num - 1])
+    best = None  # (length, end) of the longest match so far, its latest occurrence
+    n = 1
+    while ends.size:
+        best = (n, int(ends[-1]))
+        if n == n_max:
+            break
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[num - 1 - n]]
+        n += 1
+    if best is None or best[0] < n_min:
+        return []
+    start = best[1] + 1
+    drafts = tokens[start:start + k].tolist()
+    period = num - start  # > 0: the occurrence ends before the suffix
+    while len(drafts) < k:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts
