@@ -50,6 +50,8 @@ class SampleRow:
     # Positions before its chunk's end: 0, or for the row sampled at a sequence's last token
     # or one of its drafts, how many drafts follow it (speculative decoding).
     ahead: int = 0
+    # The drafts before its position: output tokens as far as this row is concerned (penalties).
+    drafted: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -186,7 +188,7 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
             logits_indices.append(t + n - 1)
         if s.draft:  # the last token's row and each draft's, in position order
             d = len(s.draft)
-            rows[-1:] = [SampleRow(seq, seq.index, ahead=d - j) for j in range(d + 1)]
+            rows[-1:] = [SampleRow(seq, seq.index, ahead=d - j, drafted=s.draft[:j]) for j in range(d + 1)]
             logits_indices[-1:] = range(t + n - 1 - d, t + n)
         if req.params.prompt_logprobs is not None:
             # Positions p in this chunk with a next prompt token p + 1 to score.

@@ -489,7 +489,7 @@ class ModelRunner:
         # last draft, and the scheduler has just advanced num_computed_tokens to that end.
         rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
                             r.seq.request.prompt_token_ids,
-                            r.seq.output_token_ids if r.seq.request.params.has_penalties else (),
+                            r.seq.output_token_ids + r.drafted if r.seq.request.params.has_penalties else (),
                             r.seq.num_computed_tokens - r.seq.num_prompt_tokens - r.ahead) for r in batch_rows]
         allowed = self.token_bitmask(batch_rows, num_rows) if masks else None
         sm, num_logprobs, use_penalties = build_sampling_metadata(rows, num_rows, self.vocab_size, self.eos_ids,

@@ -300,10 +300,10 @@ class Scheduler:
 
     def _may_speculate(self, s: ScheduledSeq) -> bool:
         """Whether the chunk ``s`` samples for a request that speculates (one sequence, no beam
-        search, structured output or penalties) while the batch is small enough."""
+        search or structured output) while the batch is small enough."""
         spec, req = self.speculative_config, s.seq.request
         return (spec is not None and s.num_samples == 1 and s.seq.matcher is None and req.max_live_seqs == 1
-                and not req.is_beam_search and not req.params.has_penalties
+                and not req.is_beam_search
                 and (spec.disable_by_batch_size is None or len(self.running) < spec.disable_by_batch_size))
 
     def _waits_for_tokens(self, req: Request, live: list[Sequence]) -> bool:

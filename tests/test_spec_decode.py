@@ -135,7 +135,8 @@ def smollm_engines(smollm):
     SamplingParams(temperature=0, max_tokens=40, logprobs=2),
     SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40),
     SamplingParams(temperature=0, max_tokens=40, stop=["grape"], min_tokens=3),
-], ids=["greedy-logprobs", "seeded", "stop-string"])
+    SamplingParams(temperature=0.7, seed=5, max_tokens=40, repetition_penalty=1.1, frequency_penalty=0.2),
+], ids=["greedy-logprobs", "seeded", "stop-string", "penalties"])
 def test_the_default_model_gives_the_same_tokens_with_drafts(smollm_engines, params):
     plain, drafting = smollm_engines
     before = drafting.stats()
@@ -152,19 +153,18 @@ def test_the_default_model_gives_the_same_tokens_with_drafts(smollm_engines, par
     after = drafting.stats()
     assert after["spec_num_accepted_tokens"] > before["spec_num_accepted_tokens"]
     assert after["num_used_blocks"] == 0
-    # The list and the renamed function repeat their prompts: most drafts hold.
-    assert after["spec_mean_acceptance_length"] > 2
+    if not params.has_penalties:  # the list and the renamed function repeat their prompts: most drafts hold
+        assert after["spec_mean_acceptance_length"] > 2
 
 
 def test_requests_that_must_not_speculate_do_not(smollm_engines):
-    """n > 1, beam search, penalties and structured outputs decode one token at a time, beside
-    a request that drafts in the same steps; each gets its tokens without drafts."""
+    """n > 1, beam search and structured outputs decode one token at a time, beside a request
+    that drafts in the same steps; each gets its tokens without drafts."""
     from jaxpaged import StructuredOutputsParams
 
     plain, drafting = smollm_engines
     kinds = [SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=24),
              SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=12),
-             SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=24),
              SamplingParams(temperature=0, max_tokens=12,
                             structured_outputs=StructuredOutputsParams(choice=["apple", "banana"]))]
     for params in kinds:
@@ -174,11 +174,11 @@ def test_requests_that_must_not_speculate_do_not(smollm_engines):
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], params
         assert drafting.stats()["spec_num_drafts"] == before, params
     # Beside a drafting request, in one batch.
-    mixed = [SamplingParams(temperature=0, max_tokens=24), kinds[2]]
-    want = [plain.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0].token_ids for p in mixed]
+    mixed = [SamplingParams(temperature=0, max_tokens=24), kinds[0]]
+    want = [[c.token_ids for c in plain.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs] for p in mixed]
     before = drafting.stats()["spec_num_drafts"]
     got = drafting.generate(PROMPTS[:1] * 2, mixed, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == want
+    assert [[c.token_ids for c in o.outputs] for o in got] == want
     assert drafting.stats()["spec_num_drafts"] > before
 
 
