@@ -91,6 +91,7 @@ def test_quickstart_runs(kernel_name):
     assert "finish_reason=length" in text
     assert "-> valid JSON with city and country: True" in text
     assert re.search(r"^(positive|negative)$", text, re.M)  # the choice, alone on its line
+    assert "same tokens with drafts: True" in text and _number(r"drafts accepted: (\d+)%", text) > 0
     cached = [int(n) for n in re.findall(r"(\d+) prompt tokens from the prefix cache", text)]
     assert len(cached) == 2 and max(cached) > 0  # the second chat reuses the first one's system prompt
     assert re.search(r"aborted request \d+", text)
