@@ -260,13 +260,19 @@ def run(argv: list[str] | None = None) -> int:
         "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 4),
         "preemptions": stats["num_preemptions"], "compiled_shapes": stats["num_compiled_shapes"],
     }
+    if args.speculative_config is not None:
+        summary["spec_acceptance_rate"] = round(stats["spec_acceptance_rate"], 4)
+        summary["spec_mean_acceptance_length"] = round(stats["spec_mean_acceptance_length"], 3)
     if args.json:
         print(json.dumps({"summary": summary}))
     else:
+        drafts = (f" | drafts accepted {summary['spec_acceptance_rate']:.1%}, "
+                  f"{summary['spec_mean_acceptance_length']:.2f} tokens a drafting step"
+                  if args.speculative_config is not None else "")
         print(f"\n{summary['requests']} requests | {n_prompt} prompt + {n_gen} generated tokens in "
               f"{elapsed:.1f} s ({summary['generated_tok_per_s']} tok/s) | TTFT p50 {summary['ttft_p50_s']} s, "
               f"p99 {summary['ttft_p99_s']} s | peak KV utilization {summary['peak_kv_utilization']:.1%} | "
-              f"prefix hit rate {summary['prefix_cache_hit_rate']:.1%} | preemptions {summary['preemptions']}",
+              f"prefix hit rate {summary['prefix_cache_hit_rate']:.1%} | preemptions {summary['preemptions']}{drafts}",
               file=sys.stderr)
     return 0
 

@@ -232,6 +232,8 @@ def test_the_command_line_takes_a_speculative_config(capsys, tiny_engine_folder)
     assert main(["--model", str(tiny_engine_folder), "--json", "--max-tokens", "12", "--ignore-eos",
                  "--temperature", "0", "--speculative-config", config, "1 2 1 2 1 2 1 2"]) == 0
     plain = capsys.readouterr().out
+    summary = json.loads(plain.splitlines()[-1])["summary"]
+    assert 0 <= summary["spec_acceptance_rate"] <= 1 and summary["spec_mean_acceptance_length"] >= 0
     assert main(["--model", str(tiny_engine_folder), "--json", "--max-tokens", "12", "--ignore-eos",
                  "--temperature", "0", "1 2 1 2 1 2 1 2"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[0]) == json.loads(plain.splitlines()[0])
