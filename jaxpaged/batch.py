@@ -52,6 +52,13 @@ class SampleRow:
     ahead: int = 0
     # The drafts before its position: output tokens as far as this row is concerned (penalties).
     drafted: list[int] = dataclasses.field(default_factory=list)
+    # A draft's row of a structured output: the grammar's state after the drafts before it.
+    draft_matcher: object = None
+
+    @property
+    def matcher(self):
+        """The structured output's matcher at this row's position, or None."""
+        return self.seq.matcher if self.draft_matcher is None else self.draft_matcher
 
 
 @dataclasses.dataclass
@@ -188,7 +195,9 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
             logits_indices.append(t + n - 1)
         if s.draft:  # the last token's row and each draft's, in position order
             d = len(s.draft)
-            rows[-1:] = [SampleRow(seq, seq.index, ahead=d - j, drafted=s.draft[:j]) for j in range(d + 1)]
+            rows[-1:] = [SampleRow(seq, seq.index, ahead=d - j, drafted=s.draft[:j],
+                                   draft_matcher=s.draft_matchers[j - 1] if j and s.draft_matchers else None)
+                         for j in range(d + 1)]
             logits_indices[-1:] = range(t + n - 1 - d, t + n)
         if req.params.prompt_logprobs is not None:
             # Positions p in this chunk with a next prompt token p + 1 to score.

@@ -478,7 +478,7 @@ class ModelRunner:
     def token_bitmask(self, batch_rows, num_rows: int) -> np.ndarray | None:
         """The structured outputs' token masks of ``num_rows`` padded sampling rows (None if no row
         has one): llguidance's work, ~0.3 ms a row on CPU."""
-        grammars = [(i, r.seq.matcher) for i, r in enumerate(batch_rows) if r.seq.matcher is not None]
+        grammars = [(i, r.matcher) for i, r in enumerate(batch_rows) if r.matcher is not None]
         return token_bitmask(grammars, num_rows, self.vocab_size) if grammars else None
 
     def sampling(self, batch_rows, num_rows: int, prompt_lp_rows, *, masks: bool = True) -> tuple:

@@ -97,6 +97,8 @@ class ScheduledSeq:
     # Speculative decoding: draft tokens that follow the sequence's last token in this chunk
     # (counted in num_new_tokens), each sampled at its position besides the last token's row.
     draft: list[int] = dataclasses.field(default_factory=list)
+    # With a structured output: its matcher after each draft (the grammar's state at the next row).
+    draft_matchers: list = dataclasses.field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -280,6 +282,15 @@ class Scheduler:
         if p.max_tokens is not None:
             limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
         draft = spec.propose(seq.token_ids, limit) if limit > 0 else []
+        matchers = []
+        if seq.matcher is not None:  # drafts only as far as the grammar takes them
+            m = seq.matcher
+            for t in draft:
+                m = m.fork()
+                if not m.advance(t):
+                    break
+                matchers.append(m)
+            del draft[len(matchers):]
         # Only slots the pool has to spare: drafts never preempt, nor take the blocks running
         # sequences grow into (the watermark admission keeps free for them).
         bs = self.kv.block_size
@@ -294,16 +305,15 @@ class Scheduler:
         extra = s.start + 1 + len(draft) - self.kv.num_tokens(seq.seq_id)
         if extra > 0:
             out.block_ops += [("copy", a, b) for a, b in self.kv.append_slots(seq.seq_id, extra)]
-        s.draft = draft
+        s.draft, s.draft_matchers = draft, matchers[:len(draft)]
         s.num_new_tokens += len(draft)
         return len(draft)
 
     def _may_speculate(self, s: ScheduledSeq) -> bool:
         """Whether the chunk ``s`` samples for a request that speculates (one sequence, no beam
-        search or structured output) while the batch is small enough."""
+        search) while the batch is small enough."""
         spec, req = self.speculative_config, s.seq.request
-        return (spec is not None and s.num_samples == 1 and s.seq.matcher is None and req.max_live_seqs == 1
-                and not req.is_beam_search
+        return (spec is not None and s.num_samples == 1 and req.max_live_seqs == 1 and not req.is_beam_search
                 and (spec.disable_by_batch_size is None or len(self.running) < spec.disable_by_batch_size))
 
     def _waits_for_tokens(self, req: Request, live: list[Sequence]) -> bool:

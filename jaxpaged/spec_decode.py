@@ -17,9 +17,11 @@ follows ``p`` without ``x``. So outputs, greedy or seeded, are the tokens decodi
 time gives, up to float32 rounding between a one-token step and a several-token one.
 
 Which requests speculate (the others decode as before, in the same steps): one sequence
-(``n == 1``, no beam search), no structured output, and only while decoding with its last
-token known on the host. Penalties at a draft's position count the drafts before it as
-output tokens, as decoding one at a time would have. A
+(``n == 1``, no beam search), and only while decoding with its last token known on the
+host. Penalties at a draft's position count the drafts before it as output tokens, as
+decoding one at a time would have; a structured output's drafts stop where its grammar
+refuses one, and each draft's row is masked by the grammar's state after the drafts before
+it (a forked matcher). A
 step with drafts is not overlapped with the next under async scheduling (the next needs
 to know how many were accepted). Drafts never preempt: they take slots only where the pool
 has room beyond its watermark, and never more than the step's token budget, the

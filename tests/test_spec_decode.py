@@ -158,15 +158,11 @@ def test_the_default_model_gives_the_same_tokens_with_drafts(smollm_engines, par
 
 
 def test_requests_that_must_not_speculate_do_not(smollm_engines):
-    """n > 1, beam search and structured outputs decode one token at a time, beside a request
-    that drafts in the same steps; each gets its tokens without drafts."""
-    from jaxpaged import StructuredOutputsParams
-
+    """n > 1 and beam search decode one token at a time, beside a request that drafts in the
+    same steps; each gets its tokens without drafts."""
     plain, drafting = smollm_engines
     kinds = [SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=24),
-             SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=12),
-             SamplingParams(temperature=0, max_tokens=12,
-                            structured_outputs=StructuredOutputsParams(choice=["apple", "banana"]))]
+             SamplingParams(use_beam_search=True, beam_width=2, temperature=0, max_tokens=12)]
     for params in kinds:
         before = drafting.stats()["spec_num_drafts"]
         want = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0]
@@ -180,6 +176,36 @@ def test_requests_that_must_not_speculate_do_not(smollm_engines):
     got = drafting.generate(PROMPTS[:1] * 2, mixed, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in got] == want
     assert drafting.stats()["spec_num_drafts"] > before
+
+
+def test_structured_outputs_draft_within_their_grammar(smollm_engines):
+    """A structured request drafts too: only drafts its grammar takes, each draft's row masked by
+    the grammar after the drafts before it; the outputs are those without drafts and match."""
+    import json
+    import re
+
+    from jaxpaged import StructuredOutputsParams
+
+    plain, drafting = smollm_engines
+    schema = {"type": "object", "required": ["name", "city"],
+              "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}
+    ask = [{"role": "user", "content": "Give the person as JSON with name and city: 'Alice Smith, who lives "
+                                       "in Paris, and Alice Smith's city is Paris.'"}]
+    cases = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=r"(Alice Smith, ){2,6}Paris"),
+             StructuredOutputsParams(choice=["Alice Smith lives in Paris", "Alice Smith lives in Rome"])]
+    before = drafting.stats()
+    for so in cases:
+        params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=so)
+        want = plain.chat(ask, params, use_tqdm=False)[0].outputs[0]
+        got = drafting.chat(ask, params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text) == (want.token_ids, want.text), so
+        if so.json is not None:
+            assert set(json.loads(got.text)) == {"name", "city"}
+        elif so.regex is not None:
+            assert re.fullmatch(so.regex, got.text)
+    after = drafting.stats()
+    assert after["spec_num_accepted_tokens"] > before["spec_num_accepted_tokens"]
+    assert after["num_used_blocks"] == 0
 
 
 def test_drafts_stop_at_max_tokens_and_max_model_len(smollm):

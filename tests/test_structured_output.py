@@ -287,7 +287,9 @@ def traffic_engines(tiny_engine_model):
     base = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64, debug_checks=True)
     return [LLM(tiny_engine_model, num_blocks=128, async_scheduling=False, **base),
             LLM(tiny_engine_model, num_blocks=8, **base),  # async, recompute preemption
-            LLM(tiny_engine_model, num_blocks=8, preemption_mode="swap", swap_space=1 << 20, **base)]
+            LLM(tiny_engine_model, num_blocks=8, preemption_mode="swap", swap_space=1 << 20, **base),
+            LLM(tiny_engine_model, num_blocks=16, speculative_config={  # drafts within the grammar
+                "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}, **base)]
 
 
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -295,7 +297,7 @@ def traffic_engines(tiny_engine_model):
 @given(data=st.data())
 def test_random_structured_traffic(traffic_engines, data):
     """Random structured and free requests, some aborted mid-way, on engines that preempt by
-    recompute or swap, overlap steps or not: every output that ends on its own is a complete
+    recompute or swap, overlap steps or not, draft (speculative decoding) or not: every output that ends on its own is a complete
     match of its constraint, every output cut by length a prefix the grammar takes, and no
     block is left behind (a request cut for room also ends in a prefix the grammar takes)."""
     llm = data.draw(st.sampled_from(traffic_engines))
