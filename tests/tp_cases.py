@@ -153,6 +153,15 @@ def test_swap_preemption_keeps_the_pool_sharded(tiny, engines):
     assert llm.runner.kv.k.sharding == sharding.pool_sharding(llm.runner.mesh)
 
 
+def test_drafts_on_two_devices_give_the_same_tokens(tiny, engines):
+    """Speculative decoding on a sharded model: the verification steps' rows (the last token's
+    and each draft's) give the tokens and logprobs one device gives without drafts."""
+    llm = LLM(tiny, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                                                "prompt_lookup_max": 2}, **ENGINE)
+    assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), engines[1][1][0])
+    assert llm.stats()["spec_num_draft_tokens"] > 0 and llm.stats()["num_used_blocks"] == 0
+
+
 @pytest.fixture(scope="module")
 def smollm():
     return load_model()
