@@ -269,3 +269,25 @@ def test_the_command_line_takes_a_speculative_config(capsys, tiny_engine_folder)
     assert main(["--model", str(tiny_engine_folder), "--speculative-config",
                  '{"method": "medusa", "num_speculative_tokens": 2}', "hi"]) != 0
     assert "speculative_config method='medusa' is not supported" in capsys.readouterr().err
+
+
+def test_no_drafts_while_the_batch_is_at_disable_by_batch_size(tiny_engine_model):
+    """``disable_by_batch_size``: no sequence drafts in a step while that many requests run;
+    drafting resumes once fewer do (the paging oracle, whose outputs repeat, stands in for
+    the model)."""
+    import traffic
+
+    llm = traffic.engine(tiny_engine_model, oracle=True, oracle_markov=1, block_size=16, num_blocks=64,
+                         max_model_len=64, async_scheduling=False, speculative_config={
+                             "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2})
+    for n in (8, 16, 40):
+        llm.add_request({"prompt_token_ids": [300, 301, 302]}, SamplingParams(temperature=0, max_tokens=n))
+    drafted_alone = False
+    while llm.has_unfinished_requests():
+        running = len(llm.scheduler.running)
+        llm.step()
+        drafts = sum(len(s.draft) for s in llm.core.last.scheduled)
+        if running >= 2 and len(llm.scheduler.running) >= 2:
+            assert drafts == 0
+        drafted_alone |= len(llm.core.last.scheduled) == 1 and drafts > 0
+    assert drafted_alone and llm.stats()["num_used_blocks"] == 0
