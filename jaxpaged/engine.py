@@ -356,7 +356,6 @@ class LLM:
             "time_device_s": self.runner.time_device, "time_postprocess_s": t.update,
         }
 
-
     def spec_decode_stats(self) -> dict[str, Any]:
         """Speculative decoding's totals over the run (zeros without ``speculative_config``):
         chunks with drafts, drafts, drafts accepted, their ratio and the mean tokens a

@@ -11,6 +11,8 @@ Deciding a step, in this order:
    advance to a common position, so samples and beams always sample in the same step.
    A request that needs a block (or, with the contiguous allocator, a region for its
    forks) when none is free preempts the newest running request, possibly itself.
+   With ``speculative_config``, a decoding sequence's token comes with its n-gram drafts
+   (:mod:`jaxpaged.spec_decode`), in the budget and only in slots the pool has to spare.
 2. In a step that preempted nothing, preempted and waiting requests resume oldest first:
    a swapped request when its blocks (and this step's chunk) fit, a waiting one when it
    can be admitted above the watermark; with the contiguous allocator, a request yet to
@@ -51,7 +53,8 @@ request whose pending token this step would need on the host sits the step out (
 holds for every step scheduled with nothing in flight.
 
 After a step (``update_from_output``): register the computed blocks for prefix caching, record prompt
-logprobs, append each sampled token, apply the stop rule (:func:`~jaxpaged.stopping.check_stop`),
+logprobs, keep each sequence's drafts up to the first one sampled otherwise, append each
+sampled token, apply the stop rule (:func:`~jaxpaged.stopping.check_stop`),
 fork ``n > 1`` samples at their first token and beams as the beam plan says (fork copies
 travel in the next step's block ops), free finished sequences and retire finished
 requests.
@@ -258,7 +261,7 @@ class Scheduler:
             i += 1
         if not out.preempted:
             self._resume(out, budget)
-        out.speculates = any(map(self._may_speculate, out.scheduled))
+        out.speculates = self.speculative_config is not None and any(map(self._may_speculate, out.scheduled))
         for s in out.scheduled:
             s.block_table = self.kv.block_table(s.seq.seq_id)
             s.num_slots = self.kv.num_tokens(s.seq.seq_id)
@@ -295,14 +298,13 @@ class Scheduler:
         # sequences grow into (the watermark admission keeps free for them).
         bs = self.kv.block_size
         while draft:
-            extra = s.start + 1 + len(draft) - self.kv.num_tokens(seq.seq_id)
+            extra = s.start + 1 + len(draft) - self.kv.num_tokens(seq.seq_id)  # slots beyond those reserved
             spare = self.kv.num_allocatable_blocks - (-(-extra // bs) + 1) >= self.kv.watermark_blocks
             if extra <= 0 or (spare and self.kv.can_append_slots(seq.seq_id, extra)):
                 break
             draft.pop()
         if not draft:
             return 0
-        extra = s.start + 1 + len(draft) - self.kv.num_tokens(seq.seq_id)
         if extra > 0:
             out.block_ops += [("copy", a, b) for a, b in self.kv.append_slots(seq.seq_id, extra)]
         s.draft, s.draft_matchers = draft, matchers[:len(draft)]
