@@ -39,6 +39,7 @@ from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
 from jaxpaged.sharding import data_parallel_devices, model_on_device, request_cpu_devices
 from jaxpaged.spec_decode import SpeculativeConfig
+from jaxpaged.tool_calling import check_tools
 
 log = logging.getLogger(__name__)
 
@@ -273,12 +274,15 @@ class LLM:
         return [done[r.request_id] for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the model's chat template.
 
         A message is a dict with a str ``role`` and a ``content`` that is a str or a list of
-        OpenAI text parts (``{"type": "text", "text": ...}``); each output's ``prompt`` is
-        the conversation as the template wrote it."""
+        OpenAI text parts (``{"type": "text", "text": ...}``); an assistant's earlier
+        ``tool_calls`` and a tool's reply (``"role": "tool"``) go to the template as the
+        OpenAI API has them. ``tools`` (OpenAI's function tools) are given to the template, as
+        vLLM's ``LLM.chat`` does; each output's ``prompt`` is the conversation as the template
+        wrote it."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         if not isinstance(messages, list) or not messages:
@@ -286,21 +290,25 @@ class LLM:
             raise TypeError(f"messages must be a non-empty list of message dicts (one conversation) or of "
                             f"conversations, got {got}")
         convs = messages if isinstance(messages[0], list) else [messages]
-        prompts = [self.chat_prompt(c, add_generation_prompt, what=f"conversation {i}" if len(convs) > 1
-                                    else "messages") for i, c in enumerate(convs)]
+        if tools is not None:
+            check_tools(tools)
+        prompts = [self.chat_prompt(c, add_generation_prompt, tools=tools,
+                                    what=f"conversation {i}" if len(convs) > 1 else "messages")
+                   for i, c in enumerate(convs)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True, *,
-                    what: str = "messages") -> dict[str, Any]:
-        """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation through the chat
-        template; a malformed message is refused naming it (``what[i]``)."""
-        text = self.tokenizer.apply_chat_template(chat_messages(conversation, what), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                    tools: list[dict] | None = None, what: str = "messages") -> dict[str, Any]:
+        """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation (and ``tools``) through
+        the chat template; a malformed message is refused naming it (``what[i]``)."""
+        text = self.tokenizer.apply_chat_template(chat_messages(conversation, what), tools=tools or None,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of a conversation through the chat template."""
-        return self.chat_prompt(conversation, add_generation_prompt)["prompt_token_ids"]
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """The token ids of a conversation (and ``tools``) through the chat template."""
+        return self.chat_prompt(conversation, add_generation_prompt, tools=tools)["prompt_token_ids"]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated (deltas of the first completion).

@@ -9,6 +9,7 @@ the pool, ``logit_bias`` ids, a structured output's grammar, more sequences (``n
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Callable, Container, Sequence
 from typing import Any
@@ -55,10 +56,32 @@ def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
+def _template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them: each call's
+    ``function.arguments`` (a JSON string in OpenAI's API) parsed into an object, as vLLM does."""
+    if not isinstance(calls, list):
+        raise TypeError(f"{where}.tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}.tool_calls[{k}] must be {{'function': {{'name': str, 'arguments': str}}, ...}}, "
+                             f"got {call!r:.100}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise ValueError(f"{where}.tool_calls[{k}].function.arguments is not JSON: {e}") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
 def chat_messages(conversation: Any, what: str = "messages") -> list[dict[str, Any]]:
     """A conversation checked for a chat template: a list of dicts, each with a str ``role``
     and a ``content`` that is a str, None or a list of OpenAI text parts (joined into one
-    str, as vLLM does). Errors name the message (``what[i]``)."""
+    str, as vLLM does); an assistant's ``tool_calls`` get their arguments as objects. Errors
+    name the message (``what[i]``)."""
     if not isinstance(conversation, list) or not conversation:
         got = repr(conversation) if isinstance(conversation, list) else type(conversation).__name__
         raise TypeError(f"{what} must be a non-empty list of message dicts, got {got}")
@@ -81,6 +104,8 @@ def chat_messages(conversation: Any, what: str = "messages") -> list[dict[str, A
         elif content is not None and not isinstance(content, str):
             raise TypeError(f"{where}.content must be a str or a list of text parts, got {type(content).__name__}")
         m = {**m, "content": content or ""}
+        if m.get("tool_calls") is not None:
+            m["tool_calls"] = _template_tool_calls(m["tool_calls"], where)
         for key, value in m.items():
             if isinstance(value, str):
                 check_unicode(value, f"{where}.{key}")

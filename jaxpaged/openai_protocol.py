@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.structured_output import StructuredOutputsParams, as_structured_outputs
+from jaxpaged.tool_calling import ToolCallStream, ToolChoice, check_tools, resolve_tool_choice, tool_schema
 
 
 class APIError(Exception):
@@ -113,9 +114,19 @@ class OpenAIRequest(BaseModel):
                 given[f"guided_{name}"] = {name: getattr(self, f"guided_{name}")}
         return given
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The request's structured output, from whichever one of its fields names it."""
+    def _structured_outputs(self, constraint: dict | None = None) -> StructuredOutputsParams | None:
+        """The request's structured output, from whichever one of its fields names it, or the
+        schema a named or required ``tool_choice`` constrains the reply to."""
         given = self._structured_specs()
+        if constraint is not None:
+            if given:
+                raise APIError(400, f"{next(iter(given))} cannot be combined with a named or required tool_choice, "
+                               "which constrains the reply itself", param=next(iter(given)), code="invalid_value")
+            try:  # compact: a small model would otherwise pad the JSON with whitespace up to max_tokens
+                return as_structured_outputs({"json": constraint, "disable_any_whitespace": True})
+            except (ValueError, TypeError) as e:
+                raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {e}",
+                               param="tools", code="invalid_value") from None
         if len(given) > 1:
             raise APIError(400, f"give one structured output, not {', '.join(given)}", param=list(given)[1],
                            code="invalid_value")
@@ -127,9 +138,11 @@ class OpenAIRequest(BaseModel):
         except (ValueError, TypeError) as e:
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """Raises ``APIError`` (400) with SamplingParams' message for an invalid value."""
-        structured = self._structured_outputs()
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, *,
+                constraint: dict | None = None, skip_special_tokens: bool | None = None) -> SamplingParams:
+        """Raises ``APIError`` (400) with SamplingParams' message for an invalid value; ``constraint``:
+        the JSON schema of a named or required tool choice."""
+        structured = self._structured_outputs(constraint)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given when stream is true", param="stream_options",
                            code="invalid_value")
@@ -155,7 +168,8 @@ class OpenAIRequest(BaseModel):
                 ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, use_beam_search=self.use_beam_search,
                 length_penalty=self.length_penalty, cache_salt=self.cache_salt,
-                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured, **given)
+                skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                structured_outputs=structured, **given)
         except (ValueError, TypeError) as e:
             raise invalid(e, self) from None
 
@@ -213,8 +227,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's reply to one
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             bad = [p.type for p in content if p.type != "text"]
@@ -222,7 +239,8 @@ class ChatMessage(BaseModel):
                 raise APIError(400, f"only text content parts are supported, got {bad[0]!r}", param="messages",
                                code="unsupported_value")
             content = "".join(p.text or "" for p in content)
-        return {"role": self.role, "content": content or ""}
+        extra = {k: getattr(self, k) for k in ("name", "tool_calls", "tool_call_id") if getattr(self, k) is not None}
+        return {"role": self.role, "content": content or "", **extra}
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -236,20 +254,53 @@ class ChatCompletionRequest(OpenAIRequest):
     add_generation_prompt: bool = True
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
-    def sampling_params(self) -> SamplingParams:
-        if self.tools and self.tool_choice != "none":
-            raise APIError(400, "tool calling is not supported: send tool_choice 'none' or no tools",
-                           param="tool_choice" if self.tool_choice is not None else "tools", code="unsupported_value")
+    def tool_choice_of(self, tool_call_parser: str | None) -> ToolChoice:
+        """The request's tool choice, checked against its tools and the server's parser
+        (``None``: ``"auto"`` is refused, as vLLM refuses it without ``--enable-auto-tool-choice``)."""
+        try:
+            tools = None if self.tools is None else check_tools(self.tools)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="tools", code="invalid_value") from None
+        try:
+            choice = resolve_tool_choice(self.tool_choice, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice", code="invalid_value") from None
+        if choice.kind == "auto" and tool_call_parser is None:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
+                           "be set on the server (or send tool_choice 'none', 'required' or a named function)",
+                           param="tool_choice", code="unsupported_value")
+        return choice
+
+    def tool_calls(self, tool_call_parser: str | None) -> dict | None:
+        """``ToolCallStream``'s arguments for this request's replies, or None (plain text)."""
+        choice = self.tool_choice_of(tool_call_parser)
+        max_calls = None if self.parallel_tool_calls else 1
+        if choice.kind == "named":
+            return {"mode": "named", "name": choice.name}
+        if choice.kind == "required":
+            return {"mode": "required", "max_calls": max_calls}
+        if choice.kind == "auto":
+            return {"mode": tool_call_parser, "max_calls": max_calls}
+        return None
+
+    def sampling_params(self, tool_call_parser: str | None = None) -> SamplingParams:
+        choice = self.tool_choice_of(tool_call_parser)
+        schema = None if choice.kind == "none" else tool_schema(choice, self.tools,
+                                                               parallel_tool_calls=self.parallel_tool_calls)
+        # vLLM's hermes parser reads its tags with special tokens left in the text.
+        skip = False if choice.kind == "auto" and tool_call_parser == "hermes" else None
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                            param="top_logprobs", code="invalid_value")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs,
+                            constraint=schema, skip_special_tokens=skip)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]
 
 
@@ -263,6 +314,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Any = None  # given to the chat template, as /v1/chat/completions does
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -368,12 +420,28 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
             "choices": choices, "usage": usage(outputs, echo_only=req.echo_only)}
 
 
-def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatCompletionRequest) -> dict:
-    choices = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
-        "logprobs": chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
-        "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason,
-    } for c in out.outputs]
+def chat_message(c: CompletionOutput, tool_calls: dict | None) -> tuple[dict, str | None]:
+    """A choice's ``message`` and ``finish_reason``; with ``tool_calls`` (``ToolCallStream``'s
+    arguments) the calls found in its text, as the streamed deltas give them."""
+    reason = FINISH_REASONS.get(c.finish_reason)
+    if tool_calls is None:
+        return {"role": "assistant", "content": c.text}, reason
+    stream = ToolCallStream(**tool_calls)
+    update = stream.feed(c.text, True)
+    message = {"role": "assistant", "content": update.content or None}
+    if stream.calls:
+        message["tool_calls"] = [call.as_dict() for call in stream.calls]
+    return message, stream.finish_reason(reason)
+
+
+def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatCompletionRequest,
+                  tool_calls: dict | None = None) -> dict:
+    choices = []
+    for c in out.outputs:
+        message, reason = chat_message(c, tool_calls)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+                        "finish_reason": reason, "stop_reason": c.stop_reason})
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage([out])}
     if out.prompt_logprobs is not None:

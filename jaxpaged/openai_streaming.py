@@ -16,6 +16,7 @@ from jaxpaged.detokenizer import stream_end
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chunk,
                                       completion_logprobs, echo_text, usage)
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.tool_calling import ToolCallStream
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -131,9 +132,12 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
 
 
 def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionRequest,
-                 stop: list[str]) -> AsyncIterator[str]:
+                stop: list[str], tool_calls: dict | None = None) -> AsyncIterator[str]:
+    """With ``tool_calls`` (``ToolCallStream``'s arguments) each choice's text goes through its
+    own stream of calls: content deltas and ``tool_calls`` deltas, as the whole response has them."""
     deltas = _Deltas(stop)
     started: set[int] = set()
+    calls: dict[int, ToolCallStream] = {}
 
     def make_chunks(_: int, out: RequestOutput):
         for c in out.outputs:
@@ -145,10 +149,18 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
             if d is None:
                 continue
             text, first = d
+            delta, reason = {"content": text} if text else {}, c.finish_reason
+            if tool_calls is not None:
+                s = calls.setdefault(c.index, ToolCallStream(**tool_calls))
+                update = s.feed(text, reason is not None)
+                delta = {"content": update.content} if update.content else {}
+                if update.tool_calls:
+                    delta["tool_calls"] = update.tool_calls
+                reason = s.finish_reason(reason)
             yield chunk(rid, model, "chat", [{
-                "index": c.index, "delta": {"content": text} if text else {},
+                "index": c.index, "delta": delta,
                 "logprobs": chat_logprobs(c, body.top_logprobs or 0, first) if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                "finish_reason": reason, "stop_reason": c.stop_reason}])
 
     final = (lambda outs: chunk(rid, model, "chat", [], usage(outs))) if body.include_usage else None
     return _events(engine, [stream], make_chunks, final)

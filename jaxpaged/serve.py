@@ -20,6 +20,7 @@ import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, Completio
 from jaxpaged.openai_streaming import chat_events, completion_events
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.server_metrics import Metrics
+from jaxpaged.tool_calling import TOOL_PARSERS, check_tools
 
 PROG = "jaxpaged-serve"
 log = logging.getLogger("jaxpaged.serve")
@@ -42,9 +44,15 @@ log = logging.getLogger("jaxpaged.serve")
 # ---- the app --------------------------------------------------------------------------------
 
 
-def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None):
+def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
+              tool_call_parser: str | None = None):
     """The FastAPI app serving ``engine`` under the name ``served_model_name``; with
-    ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``."""
+    ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``. With
+    ``tool_call_parser`` (one of :data:`~jaxpaged.tool_calling.TOOL_PARSERS`), chat requests may
+    let the model call tools on its own (``tool_choice`` ``"auto"``); named and required tool
+    choices need no parser."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     metrics = Metrics(engine)
     engine.stat_loggers.append(metrics.record)
 
@@ -103,7 +111,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     def checked_params(body: CompletionRequest | ChatCompletionRequest):
         """The request's SamplingParams, once its model and options are known to be servable."""
         check_model(body.model)
-        params = body.sampling_params()
+        if isinstance(body, ChatCompletionRequest):
+            params = body.sampling_params(tool_call_parser)
+        else:
+            params = body.sampling_params()
         if body.stream and params.use_beam_search:
             raise APIError(400, "stream is not supported with use_beam_search", param="stream")
         return params
@@ -156,7 +167,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         events = completion_events(engine, rid, model, streams, body, params.stop, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
-    async def chat_token_ids(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    async def chat_token_ids(messages: list[dict[str, Any]], add_generation_prompt: bool, tools=None) -> list[int]:
         tok = engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -166,7 +177,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         try:
             return await engine.run_on_tokenizer_thread(engine.llm.apply_chat_template, messages,
-                                                        add_generation_prompt)
+                                                        add_generation_prompt, tools)
         except EngineDeadError:
             raise
         except Exception as e:  # the template's own check (e.g. roles that must alternate)
@@ -180,12 +191,13 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         params = checked_params(body)
-        ids = await chat_token_ids(body.conversation(), body.add_generation_prompt)
+        tool_calls = body.tool_calls(tool_call_parser)
+        ids = await chat_token_ids(body.conversation(), body.add_generation_prompt, body.tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = await add([{"prompt_token_ids": ids}], params, rid, body)
-        events = chat_events(engine, rid, model, streams[0], body, params.stop) if body.stream else None
-        return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body))
+        events = chat_events(engine, rid, model, streams[0], body, params.stop, tool_calls) if body.stream else None
+        return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body, tool_calls))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -194,7 +206,13 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         body.check()
         tok = tokenizer()
         if body.messages is not None:
-            ids = await chat_token_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
+            if body.tools is not None:
+                try:
+                    check_tools(body.tools)
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, str(e), param="tools", code="invalid_value") from None
+            ids = await chat_token_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
+                                       body.tools)
         else:
             try:
                 ids = await engine.run_on_tokenizer_thread(
@@ -291,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int,
                    help="most requests queued and not yet running; beyond, requests get 503 (default: no limit)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let chat requests leave tool calls to the model (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
+                   help="the model's tool call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen) or "
+                        "llama3_json (Llama 3.1-3.3's JSON calls)")
     add_engine_args(p)
     return p
 
@@ -303,7 +326,10 @@ def default_model_name(model: str | None) -> str:
 
 
 def run(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     from jaxpaged.cli import engine_kwargs
     from jaxpaged.engine import LLM
 
@@ -311,7 +337,7 @@ def run(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, **engine_kwargs(args))
     engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, served_model_name=name, api_key=args.api_key)
+    app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

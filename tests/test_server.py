@@ -28,12 +28,12 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 class Running:
     """A server on its own thread: ``url``, its ``engine``, and the most requests seen running."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, **app_options):
         self.llm = llm
         self.engine = AsyncLLM(llm)
         self.peak_running = 0
         self.engine.stat_loggers.append(self._record)
-        app = build_app(self.engine, served_model_name=MODEL, api_key=KEY)
+        app = build_app(self.engine, served_model_name=MODEL, api_key=KEY, **app_options)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
@@ -527,9 +527,20 @@ BAD = [  # (path, body, status, message pattern, param)
                          "temperature": 0}, 400, r"cannot be used with use_beam_search", "response_format"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "ab\\"}, 400, r"ends in a lone backslash", "guided_regex"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     r"tool calling is not supported", "tools"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}], "tool_choice": "auto"}, 400,
-     r"tool calling is not supported", "tool_choice"),
+     r'^"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser', "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}], "tool_choice": "required"}, 400,
+     r"^tools\[0\]\.function must be an object with a name", "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     r"^tool_choice names the function 'g', which is not among the tools \['f'\]", "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, r"^tool_choice 'required' needs tools",
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, 400,
+     r"^response_format cannot be combined with a named or required tool_choice", "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
+     r"^messages\[0\]\.tool_calls\[0\]\.function\.arguments is not JSON", "messages"),
     ("/v1/nowhere", {}, 404, r"Not Found", None),
 ]
 

@@ -1,0 +1,319 @@
+"""OpenAI tool calling for ``/v1/chat/completions``, as vLLM serves it. No jax here.
+
+``tool_choice`` decides how a reply becomes tool calls:
+
+- a named function (``{"type": "function", "function": {"name": ...}}``): the reply is
+  constrained (a structured output, compact JSON: no whitespace, which small models otherwise
+  pile up until ``max_tokens``) to the function's ``parameters`` schema and is that call's
+  ``arguments``;
+- ``"required"``: the reply is constrained to a JSON array of ``{"name", "parameters"}``
+  objects, one per call, each a listed tool's (``parallel_tool_calls=false``: one at most);
+- ``"auto"`` (the default when ``tools`` are given): the reply is free and a *tool parser*
+  for the model's own format (``--tool-call-parser``) finds the calls in it: ``hermes``
+  (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Hermes, Qwen, SmolLM3) or
+  ``llama3_json`` (a reply that is ``{"name": ..., "parameters": {...}}`` objects, optionally
+  after ``<|python_tag|>`` and separated by ``;``: Llama 3.1-3.3);
+- ``"none"``: plain text.
+
+A :class:`ToolCallStream` turns a reply's text into content and tool calls as it grows; the
+whole response is the same machine fed the whole text at once, so a streamed reply's deltas
+add up to the unstreamed one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_PARSERS = ("hermes", "llama3_json")
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's ``tool_choice`` resolved against its ``tools``: ``kind`` is ``"none"``,
+    ``"auto"``, ``"required"`` or ``"named"`` (then ``name`` is the function's)."""
+
+    kind: str
+    name: str | None = None
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """``tools`` (OpenAI's ``[{"type": "function", "function": {"name", "description",
+    "parameters"}}]``) checked; errors name the culprit (``tools[i].function.name``)."""
+    if not isinstance(tools, list):
+        raise TypeError(f"tools must be a list of tool objects, got {type(tools).__name__}")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"{where} must be {{'type': 'function', 'function': {{...}}}}, got {tool!r:.100}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ValueError(f"{where}.function must be an object with a name, got {fn!r:.100}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.function.name must be a non-empty string, got {name!r:.100}")
+        if name in names:
+            raise ValueError(f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"{where}.function.parameters must be a JSON schema object, got {params!r:.100}")
+    return tools
+
+
+def resolve_tool_choice(tool_choice: Any, tools: list[dict] | None) -> ToolChoice:
+    """OpenAI's defaults: ``"auto"`` with tools, ``"none"`` without; ``"required"`` with an
+    empty ``tools`` list is ``"none"``. Errors name ``tool_choice``."""
+    if tool_choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if tool_choice == "none":
+        return ToolChoice("none")
+    if tool_choice in ("auto", "required"):
+        if tools is None:
+            raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+        return ToolChoice("none" if not tools else tool_choice)
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                             f"'function': {{'name': ...}}}}, got {tool_choice!r:.100}")
+        listed = [t["function"]["name"] for t in tools or ()]
+        if name not in listed:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools {listed}")
+        return ToolChoice("named", name)
+    raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+                     f"{{'name': ...}}}}, got {tool_choice!r:.100}")
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_schema(choice: ToolChoice, tools: list[dict], *, parallel_tool_calls: bool = True) -> dict | None:
+    """The JSON schema a named or required tool choice constrains the reply to (None otherwise)."""
+    if choice.kind == "named":
+        return next(_parameters(t) for t in tools if t["function"]["name"] == choice.name)
+    if choice.kind != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                               "parameters": _parameters(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+# ---- finding the calls in a reply ------------------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=tool_call_id)
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class _JsonObjects:
+    """Complete JSON objects at ``depth`` brackets deep (0: top level, 1: an array's items) in
+    text that arrives in pieces; what lies between them is skipped."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.buf = ""
+        self.pos = 0
+        self.level = 0
+        self.in_string = self.escaped = False
+        self.start: int | None = None
+
+    def feed(self, piece: str) -> list[str]:
+        self.buf += piece
+        found = []
+        for i in range(self.pos, len(self.buf)):
+            ch = self.buf[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                if ch == "{" and self.level == self.depth:
+                    self.start = i
+                self.level += 1
+            elif ch in "}]":
+                self.level = max(0, self.level - 1)
+                if ch == "}" and self.level == self.depth and self.start is not None:
+                    found.append(self.buf[self.start:i + 1])
+                    self.start = None
+        self.pos = len(self.buf)
+        return found
+
+
+def _call(text: str, args_key: str | tuple[str, ...]) -> ToolCall | None:
+    """``{"name": str, <args_key>: object}`` as a call (arguments re-serialized), or None."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    keys = (args_key,) if isinstance(args_key, str) else args_key
+    args = next((obj[k] for k in keys if k in obj), {})
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+@dataclass
+class Update:
+    """What a reply gained: content text and tool-call deltas (OpenAI's ``delta.tool_calls`` items)."""
+
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+class ToolCallStream:
+    """A reply's text, fed as it grows (``feed(piece, finished)``), as content and tool calls.
+
+    ``named`` (a function's name): the text is that call's arguments, streamed as they come.
+    ``required``: the calls of the constrained JSON array, each sent once complete.
+    A parser's name (``"hermes"``, ``"llama3_json"``): its calls, each sent once complete, and
+    the text around them as content, less the whitespace before each call and at the end; a
+    reply with no call is its own content, unchanged.
+    """
+
+    def __init__(self, mode: str, *, name: str | None = None, max_calls: int | None = None):
+        if mode not in ("named", "required", *TOOL_PARSERS):
+            raise ValueError(f"unknown tool call mode {mode!r}; known: named, required, {', '.join(TOOL_PARSERS)}")
+        self.mode, self.name, self.max_calls = mode, name, max_calls
+        self.calls: list[ToolCall] = []
+        self.pending = ""  # text not yet sent as content or taken into a call
+        self.held_space = ""  # whitespace-only content held back
+        self.in_call = False  # hermes: inside <tool_call>
+        self.llama_mode: str | None = None  # llama3_json: None (undecided), "calls" or "content"
+        self.objects = _JsonObjects(1 if mode == "required" else 0)
+        self.raw = ""  # required / llama3_json: all text, for when no call is found
+        self.finished = False
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """vLLM's: ``"tool_calls"`` when a required or parsed reply stopped with calls."""
+        if engine_reason == "stop" and self.calls and self.mode != "named":
+            return "tool_calls"
+        return engine_reason
+
+    def feed(self, piece: str, finished: bool) -> Update:
+        if self.finished:
+            return Update()
+        self.finished = finished
+        u = Update()
+        if self.mode == "named":
+            if not self.calls:
+                self.calls.append(ToolCall(self.name, ""))
+                u.tool_calls.append({**self._delta(0), "function": {"name": self.name, "arguments": piece}})
+            elif piece:
+                u.tool_calls.append({"index": 0, "function": {"arguments": piece}})
+            self.calls[0].arguments += piece
+            return u
+        if self.mode == "hermes":
+            self._hermes(piece, u)
+        else:
+            self._json_calls(piece, u)
+        if finished:
+            if not self.calls:  # whitespace that led nowhere is the reply's own
+                u.content += self.held_space
+            self.held_space = ""
+        return u
+
+    def _delta(self, index: int) -> dict:
+        return {"index": index, "id": self.calls[index].id, "type": "function"}
+
+    def _add_call(self, call: ToolCall | None, u: Update) -> bool:
+        if call is None:
+            return False
+        if self.max_calls is None or len(self.calls) < self.max_calls:
+            self.calls.append(call)
+            i = len(self.calls) - 1
+            u.tool_calls.append({**self._delta(i), "function": {"name": call.name, "arguments": call.arguments}})
+        self.held_space = ""  # whitespace before a call is not content
+        return True
+
+    def _content(self, text: str, u: Update) -> None:
+        """Content up to its last non-space character; trailing whitespace waits for more (a
+        call drops it), so where the pieces break does not matter."""
+        text = self.held_space + text
+        k = len(text.rstrip())
+        u.content += text[:k]
+        self.held_space = text[k:]
+
+    def _json_calls(self, piece: str, u: Update) -> None:
+        """``required`` and ``llama3_json``: complete objects become calls; a reply with none is content."""
+        self.raw += piece
+        if self.mode == "llama3_json" and self.llama_mode is None:
+            head = self.raw.lstrip()
+            tag = "<|python_tag|>"
+            if head.startswith(tag) or head.startswith("{"):
+                self.llama_mode = "calls"
+                piece = self.raw.lstrip().removeprefix(tag)
+            elif head and not tag.startswith(head):
+                self.llama_mode = "content"
+                piece = self.raw
+            elif self.finished:
+                self.llama_mode = "content"
+                piece = self.raw
+            else:
+                return
+        if self.llama_mode == "content":
+            self._content(piece, u)
+            return
+        for text in self.objects.feed(piece):
+            self._add_call(_call(text, "parameters" if self.mode == "required" else ("parameters", "arguments")), u)
+        if self.finished and not self.calls:
+            u.content += self.raw
+
+    def _hermes(self, piece: str, u: Update) -> None:
+        start, end = "<tool_call>", "</tool_call>"
+        self.pending += piece
+        while True:
+            if not self.in_call:
+                i = self.pending.find(start)
+                if i < 0:
+                    keep = 0 if self.finished else _partial_suffix(self.pending, start)
+                    self._content(self.pending[:len(self.pending) - keep], u)
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    return
+                self._content(self.pending[:i], u)
+                self.pending = self.pending[i + len(start):]
+                self.in_call = True
+            j = self.pending.find(end)
+            if j < 0 and not self.finished:
+                return
+            body = self.pending if j < 0 else self.pending[:j]
+            if not self._add_call(_call(body, "arguments"), u):
+                self._content(start + body + ("" if j < 0 else end), u)
+            self.pending = "" if j < 0 else self.pending[j + len(end):]
+            self.in_call = False
+            if j < 0:
+                return
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that ``marker`` starts with (0 if none)."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0

@@ -1,0 +1,308 @@
+"""Tool calling: the tool choice's rules, the parsers that find calls in a reply (streamed in
+random pieces against whole, hypothesis), and the server's chat endpoint calling tools for
+real on the tiny model (named, required, and auto through the hermes parser)."""
+
+import json
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxpaged import LLM
+from jaxpaged.tool_calling import ToolCallStream, ToolChoice, check_tools, resolve_tool_choice, tool_schema
+from test_server import CHAT, ENGINE, KEY, MODEL, Running
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"enum": [3, 4]}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+
+
+# ---- the tool choice -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tools, pattern", [
+    ({"type": "function"}, r"^tools must be a list"),
+    ([{"type": "retrieval"}], r"^tools\[0\] must be \{'type': 'function'"),
+    ([WEATHER, {"type": "function", "function": {"name": ""}}], r"^tools\[1\]\.function\.name must be a non-empty"),
+    ([WEATHER, WEATHER], r"^tools\[1\]\.function\.name 'get_weather' is given twice"),
+    ([{"function": {"name": "f", "parameters": "x"}}], r"^tools\[0\]\.function\.parameters must be a JSON schema"),
+])
+def test_bad_tools_are_refused_by_name(tools, pattern):
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        check_tools(tools)
+
+
+def test_tool_choice_defaults_and_refusals_follow_openai():
+    assert resolve_tool_choice(None, TOOLS) == ToolChoice("auto")
+    assert resolve_tool_choice(None, None) == resolve_tool_choice("none", TOOLS) == ToolChoice("none")
+    assert resolve_tool_choice("required", []) == ToolChoice("none")  # OpenAI: nothing to call
+    assert resolve_tool_choice({"type": "function", "function": {"name": "add"}}, TOOLS) == ToolChoice("named", "add")
+    for bad, pattern in [("always", "tool_choice must be"), ({"function": {"name": "sub"}}, "'sub', which is not"),
+                         ({"type": "function"}, "tool_choice must be"), ("auto", None)]:
+        with pytest.raises(ValueError, match=pattern or "needs tools"):
+            resolve_tool_choice(bad, None if pattern is None else TOOLS)
+
+
+def test_the_schemas_a_tool_choice_constrains_to():
+    assert tool_schema(ToolChoice("named", "add"), TOOLS) == ADD["function"]["parameters"]
+    assert tool_schema(ToolChoice("named", "f"), [{"function": {"name": "f"}}]) == {"type": "object",
+                                                                                     "properties": {}}
+    required = tool_schema(ToolChoice("required"), TOOLS)
+    assert required["minItems"] == 1 and "maxItems" not in required
+    assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == [["get_weather"], ["add"]]
+    assert tool_schema(ToolChoice("required"), TOOLS, parallel_tool_calls=False)["maxItems"] == 1
+    assert tool_schema(ToolChoice("auto"), TOOLS) is None
+
+
+# ---- finding the calls, streamed and whole ---------------------------------------------------
+
+
+def run(mode: str, pieces: list[str], **kw) -> tuple[str, list[dict], ToolCallStream]:
+    """Feed ``pieces`` (the last one finishes): the content and the calls the deltas add up to."""
+    s = ToolCallStream(mode, **kw)
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        u = s.feed(piece, i == len(pieces) - 1)
+        content += u.content
+        for d in u.tool_calls:
+            if d["index"] == len(calls):  # a call's first delta carries its id, type and name
+                assert d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
+                calls.append({"id": d["id"], "name": d["function"]["name"], "arguments": ""})
+            else:
+                assert d["index"] == len(calls) - 1 and set(d) == {"index", "function"}
+                assert set(d["function"]) == {"arguments"}
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    assert [c["id"] for c in calls] == [c.id for c in s.calls]
+    return content, [{"name": c["name"], "arguments": c["arguments"]} for c in calls], s
+
+
+def pieces_of(text: str, cuts: list[int]) -> list[str]:
+    cuts = sorted({min(c, len(text)) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+NAMES = st.sampled_from(["get_weather", "add", "f"])
+ARGS = st.dictionaries(st.sampled_from(["city", "a", "n"]),
+                       st.one_of(st.integers(-5, 5), st.text("ab}{\"\\<> \n", max_size=6), st.booleans()),
+                       max_size=3)
+TEXT = st.text("ab <>/_{}\"\n", max_size=12)  # text between calls, with the tags' and JSON's characters
+
+
+@st.composite
+def hermes_replies(draw):
+    """A hermes reply: ``(text, its content, its calls)``, with text, whitespace, broken calls
+    (left in the content) and calls in any order."""
+    parts = draw(st.lists(st.one_of(
+        st.tuples(st.just("text"), TEXT),
+        st.tuples(st.just("space"), st.sampled_from(["\n", " ", "\n\n"])),
+        st.tuples(st.just("call"), st.tuples(NAMES, ARGS, st.sampled_from(["", "\n"]))),
+        st.tuples(st.just("broken"), st.sampled_from(["{", "{\"name\": 3}", "[]", "{\"arguments\": {}}"])),
+    ), max_size=6))
+    unterminated = draw(st.booleans())
+    text, calls, chunks = "", [], [""]  # chunks: the text before each call, and after the last
+    for i, (kind, value) in enumerate(parts):
+        if kind == "call":
+            name, args, pad = value
+            close = "" if unterminated and i == len(parts) - 1 else "</tool_call>"
+            text += f"<tool_call>{pad}{json.dumps({'name': name, 'arguments': args})}{pad}{close}"
+            calls.append({"name": name, "arguments": json.dumps(args)})
+            chunks.append("")
+        else:
+            piece = value if kind in ("text", "space") else f"<tool_call>{value}</tool_call>"
+            text += piece
+            chunks[-1] += piece
+    # The content: the text outside the calls, less the whitespace before each call and at the end.
+    content = text if not calls else "".join(c.rstrip() for c in chunks)
+    return text, content, calls
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(hermes_replies(), st.lists(st.integers(0, 200), max_size=8))
+def test_hermes_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cuts):
+    text, content, calls = reply
+    whole = run("hermes", [text])[:2]
+    assert run("hermes", pieces_of(text, cuts))[:2] == whole
+    assert whole == (content, calls)  # every well-formed call found, in order; broken ones left as text
+
+
+@st.composite
+def llama_replies(draw):
+    calls = draw(st.lists(st.tuples(NAMES, ARGS), max_size=3))
+    key = draw(st.sampled_from(["parameters", "arguments"]))
+    lead = draw(st.sampled_from(["", " ", "<|python_tag|>", "\n<|python_tag|>"]))
+    if not calls:
+        return draw(st.sampled_from(["", "Hello.", " <|python", "<|python_tag|>no call", "{not json"])), []
+    text = lead + "; ".join(json.dumps({"name": n, key: a}) for n, a in calls)
+    return text, [{"name": n, "arguments": json.dumps(a)} for n, a in calls]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(llama_replies(), st.lists(st.integers(0, 200), max_size=8))
+def test_llama3_json_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cuts):
+    text, calls = reply
+    whole = run("llama3_json", [text])[:2]
+    assert run("llama3_json", pieces_of(text, cuts))[:2] == whole
+    assert whole == ("" if calls else text, calls)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(NAMES, ARGS), max_size=3), st.sampled_from(["", " ", "\n  "]), st.integers(0, 40),
+       st.lists(st.integers(0, 200), max_size=8))
+def test_required_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(calls, space, cut_at, cuts):
+    items = [json.dumps({"name": n, "parameters": a}) for n, a in calls]
+    text = f"[{space}" + f",{space}".join(items) + f"{space}]"
+    expected = [{"name": n, "arguments": json.dumps(a)} for n, a in calls]
+    whole = run("required", [text])[:2]
+    assert run("required", pieces_of(text, cuts))[:2] == whole == ("" if calls else text, expected)
+    cut = text[:len(text) - cut_at]  # a reply cut short (max_tokens): the complete calls, or the text
+    ends = [len(f"[{space}") + sum(len(i) + 1 + len(space) for i in items[:k]) + len(items[k])
+            for k in range(len(items))]
+    complete = [c for c, end in zip(expected, ends) if end <= len(cut)]
+    assert run("required", pieces_of(cut, cuts))[:2] == ("" if complete else cut, complete)
+
+
+def test_named_arguments_stream_as_they_come_and_one_call_at_most():
+    content, calls, s = run("named", ['{"a"', "", ': 1}'], name="add")
+    assert (content, calls) == ("", [{"name": "add", "arguments": '{"a": 1}'}])
+    assert s.finish_reason("stop") == "stop" and s.finish_reason("length") == "length"
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    content, calls, s = run("hermes", [text], max_calls=1)
+    assert (content, [c["name"] for c in calls]) == ("", ["f"])  # parallel_tool_calls=false: the first
+    assert s.finish_reason("stop") == "tool_calls" and s.finish_reason("length") == "length"
+    assert run("hermes", ["no calls"])[2].finish_reason("stop") == "stop"
+
+
+# ---- through the server ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_engine_model):
+    """The tiny model served without a tool parser and with hermes."""
+    plain, hermes = Running(LLM(tiny_engine_model, **ENGINE)), Running(LLM(tiny_engine_model, **ENGINE),
+                                                                      tool_call_parser="hermes")
+    yield plain, hermes
+    plain.stop()
+    hermes.stop()
+
+
+def clients(servers):
+    return [openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60) for s in servers]
+
+
+def streamed(client, **kw) -> tuple[str | None, list[dict], str]:
+    """A streamed chat reply's content, tool calls (their deltas added up) and finish reason."""
+    content, calls, reason = None, [], None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content = (content or "") + delta.content
+        for d in delta.tool_calls or []:
+            if d.index == len(calls):
+                calls.append({"id": d.id, "name": d.function.name, "arguments": ""})
+            else:
+                assert d.id is None and d.function.name is None
+            calls[d.index]["arguments"] += d.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content, calls, reason
+
+
+def whole(client, **kw) -> tuple[str | None, list[dict], str]:
+    choice = client.chat.completions.create(model=MODEL, **kw).choices[0]
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+def check_weather(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "unit"} and args["city"] in ("Paris", "Rome") and args["unit"] in ("C", "F")
+
+
+def same(a, b) -> bool:
+    """Two replies alike but for the calls' ids (each response has its own)."""
+    strip = lambda r: (r[0], [(c["name"], c["arguments"]) for c in r[1]], r[2])  # noqa: E731
+    return strip(a) == strip(b)
+
+
+def test_a_named_tool_choice_calls_that_function_with_arguments_of_its_schema(servers):
+    client, _ = clients(servers)
+    kw = dict(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, max_tokens=40,
+              temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    w = whole(client, **kw)
+    content, calls, reason = w
+    assert content is None and reason == "stop" and [c["name"] for c in calls] == ["get_weather"]
+    check_weather(calls[0]["arguments"])
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+    assert same(streamed(client, **kw), w)
+
+
+def test_a_required_tool_choice_makes_one_or_more_calls_of_the_listed_tools(servers):
+    client, _ = clients(servers)
+    for seed in range(3):
+        kw = dict(messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=1.0, seed=seed)
+        w = whole(client, **kw)
+        content, calls, reason = w
+        assert content is None and reason == "tool_calls" and calls, w
+        for c in calls:
+            assert c["name"] in ("get_weather", "add")
+            if c["name"] == "get_weather":
+                check_weather(c["arguments"])
+            else:
+                assert set(json.loads(c["arguments"])) == {"a", "b"}
+        assert len({c["id"] for c in calls}) == len(calls)
+        assert same(streamed(client, **kw), w)
+    one = whole(client, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=1.0, seed=0,
+                parallel_tool_calls=False)
+    assert len(one[1]) == 1 and one[2] == "tool_calls"
+
+
+HERMES_REPLY = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+                r'"unit": "C"\}\}\n</tool_call>')
+
+
+def test_auto_tool_choice_finds_the_models_own_calls_with_the_hermes_parser(servers):
+    """The reply is forced into hermes' format with a regex (the random model would not write
+    it); the parser takes the call out of it, streamed and whole alike."""
+    _, client = clients(servers)
+    kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=60, temperature=0.8,
+              seed=3, extra_body={"structured_outputs": {"regex": HERMES_REPLY}})
+    w = whole(client, **kw)
+    content, calls, reason = w
+    assert content == "Checking." and reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather"]
+    check_weather(calls[0]["arguments"])
+    assert same(streamed(client, **kw), w)
+    plain = whole(client, messages=CHAT, tools=TOOLS, max_tokens=5, temperature=0)  # no call: plain text
+    assert plain[0] and plain[1] == [] and plain[2] in ("length", "stop")
+
+
+def test_earlier_calls_and_tool_replies_go_to_the_template(servers, tiny_engine_model):
+    """A conversation that carries an assistant's calls and a tool's reply is served; the
+    template gets the tools and the calls' arguments as objects (the offline ``LLM.chat``)."""
+    client, _ = clients(servers)
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "C"}'}}
+    messages = [{"role": "user", "content": "Weather in Rome?"}, {"role": "assistant", "content": None,
+                                                                   "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "21 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+    llm = servers[0].llm
+    saved = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                                   "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                                   "({{ c.function.name }} {{ c.function.arguments.city }}){% endfor %};{% endfor %}")
+    try:
+        prompt = llm.chat_prompt(messages, tools=TOOLS)["prompt"]
+    finally:
+        llm.tokenizer.chat_template = saved
+    assert prompt == "[get_weather][add]user:Weather in Rome?;assistant:(get_weather Rome);tool:21 C;"
+    with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
+        llm.chat(CHAT, tools=[{"type": "function", "function": {"name": 7}}])
