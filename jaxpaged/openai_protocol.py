@@ -34,13 +34,15 @@ class APIError(Exception):
 
 def invalid(e: Exception, body: OpenAIRequest | None = None) -> APIError:
     """A 400 for an engine validation error; ``param`` is the field its message starts with (for
-    ``structured_outputs``, the field of ``body`` that gave it: ``response_format`` or ``guided_*``)."""
+    ``structured_outputs``, the field of ``body`` that gave it: ``response_format``, ``guided_*``
+    or a named or required ``tool_choice``)."""
     message = str(e)
     first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     fields = {"prompt", "messages", *OpenAIRequest.model_fields, *CompletionRequest.model_fields,
               *ChatCompletionRequest.model_fields}
     if first == "structured_outputs" and body is not None:
-        first = body.structured_field() or first
+        tool_constraint = isinstance(body, ChatCompletionRequest) and body.tool_choice not in (None, "none", "auto")
+        first = body.structured_field() or ("tool_choice" if tool_constraint else first)
     return APIError(400, message, param=first if first in fields else None, code="invalid_value")
 
 

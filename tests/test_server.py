@@ -538,6 +538,11 @@ BAD = [  # (path, body, status, message pattern, param)
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": "required", "response_format": {"type": "json_object"}}, 400,
      r"^response_format cannot be combined with a named or required tool_choice", "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "use_beam_search": True, "n": 2, "temperature": 0}, 400,
+     r"^structured_outputs cannot be used with use_beam_search", "tool_choice"),
+    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": 3}}]}, 400,
+     r"^tools\[0\]\.function\.name must be a non-empty string", "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
      r"^messages\[0\]\.tool_calls\[0\]\.function\.arguments is not JSON", "messages"),

@@ -4,6 +4,7 @@ real on the tiny model (named, required, and auto through the hermes parser)."""
 
 import json
 
+import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from jaxpaged import LLM
 from jaxpaged.tool_calling import ToolCallStream, ToolChoice, check_tools, resolve_tool_choice, tool_schema
-from test_server import CHAT, ENGINE, KEY, MODEL, Running
+from test_server import AUTH, CHAT, ENGINE, KEY, MODEL, Running
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -294,6 +295,9 @@ def test_earlier_calls_and_tool_replies_go_to_the_template(servers, tiny_engine_
                 {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "21 C"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=3)
     assert r.usage.completion_tokens >= 1
+    with httpx.Client(base_url=servers[0].url, headers=AUTH) as http:
+        tokenized = http.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()
+    assert tokenized["count"] == r.usage.prompt_tokens
     llm = servers[0].llm
     saved = llm.tokenizer.chat_template
     llm.tokenizer.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
@@ -306,3 +310,16 @@ def test_earlier_calls_and_tool_replies_go_to_the_template(servers, tiny_engine_
     assert prompt == "[get_weather][add]user:Weather in Rome?;assistant:(get_weather Rome);tool:21 C;"
     with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
         llm.chat(CHAT, tools=[{"type": "function", "function": {"name": 7}}])
+
+
+def test_auto_tool_choice_and_its_parser_go_together_on_the_command_line(capsys):
+    from jaxpaged.serve import run
+
+    for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+        with pytest.raises(SystemExit) as e:  # refused before any model is loaded
+            run(argv)
+        assert e.value.code == 2
+        assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run(["--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
