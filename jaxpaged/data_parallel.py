@@ -152,10 +152,17 @@ class DataParallelRunner:
 
     def __init__(self, parts: Sequence):
         self.parts = list(parts)
+        if not all(callable(getattr(r, "launch_sampler", None)) for r in self.parts):
+            self.launch_sampler = None  # parts that cannot wait to sample: neither can the whole
 
-    def dispatch(self, out: DataParallelOutput, prev: list | None = None) -> list:
+    def dispatch(self, out: DataParallelOutput, prev: list | None = None, *, defer_sampling: bool = False) -> list:
         prev = prev or [None] * len(self.parts)
-        return [r.dispatch(o, p) for r, o, p in zip(self.parts, out.parts, prev)]
+        return [r.dispatch(o, p, defer_sampling=defer_sampling) for r, o, p in zip(self.parts, out.parts, prev)]
+
+    def launch_sampler(self, handles: list) -> None:
+        for r, h in zip(self.parts, handles):
+            if h is not None:
+                r.launch_sampler(h)
 
     def collect(self, handles: list) -> DataParallelRunnerOutput:
         return DataParallelRunnerOutput(None, parts=[r.collect(h) for r, h in zip(self.parts, handles)])

@@ -11,7 +11,10 @@ scheduling: each ``step()`` schedules and dispatches step N+1 while step N runs,
 collects step N and applies it. Step N+1 reads the tokens step N sampled on the device;
 the scheduler learns them (and so stops) one step late and drops the one extra token a
 finished sequence may get. Tokens are the synchronous loop's. A step whose rows fork
-samples or rank beams is not overlapped: the next step needs the new sequences.
+samples or rank beams is not overlapped: the next step needs the new sequences. Where a
+structured output samples, the next step's forward is still launched ahead but its sampler
+only once this step is applied (its masks follow the grammars' new state), with a runner that
+can wait to sample (``launch_sampler``); with one that cannot, the step is not overlapped.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ class Runner(Protocol):
     def dispatch(self, out: SchedulerOutput, prev: Any = None) -> Any:
         """Apply ``out.block_ops`` and start the scheduled chunks; a handle for ``collect``, or
         None when nothing is scheduled. ``prev``: the previous step's handle when it has not
-        been collected (its rows hold the pending tokens this step reads)."""
+        been collected (its rows hold the pending tokens this step reads). A runner that can
+        wait to sample also takes ``defer_sampling=True``: the forward alone, its sampler
+        launched by ``launch_sampler(handle)``."""
 
     def collect(self, step: Any) -> RunnerOutput:
         """Wait for a dispatched step: ``num_samples`` sampled rows per scheduled chunk."""
@@ -40,6 +45,7 @@ class _InFlight:
     out: SchedulerOutput
     handle: Any  # the runner's, None when nothing ran
     ahead: bool  # scheduled while the step before was still running
+    sampler_waits: bool = False  # its sampler is launched once the step before is applied
 
 
 @dataclasses.dataclass
@@ -72,6 +78,7 @@ class EngineCore:
         self.timers = Timers()
         self.last: SchedulerOutput | None = None  # the decision of the step last applied (benchmarks read it)
         self.on_dispatch: Callable[[], None] | None = None  # called once a step is scheduled and dispatched
+        self._can_defer_sampling = callable(getattr(runner, "launch_sampler", None))
 
     def add(self, req: Request) -> None:
         """Queue a request that ``InputProcessor`` validated."""
@@ -96,10 +103,15 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.timers.schedule += time.perf_counter() - t0
-        handle = self.runner.dispatch(out, prev) if out.scheduled or out.block_ops else None
+        # A runner that cannot wait to sample is not run ahead of a structured row's token (see step).
+        waits = prev is not None and self._can_defer_sampling and out.samples_structured
+        handle = None
+        if out.scheduled or out.block_ops:
+            handle = (self.runner.dispatch(out, prev, defer_sampling=True) if waits else
+                      self.runner.dispatch(out, prev))
         if self.on_dispatch is not None:
             self.on_dispatch()
-        return _InFlight(out, handle, prev is not None)
+        return _InFlight(out, handle, prev is not None, waits and handle is not None)
 
     def step(self) -> list[Request]:
         """One iteration; returns the requests it changed (finished ones are forgotten).
@@ -108,12 +120,15 @@ class EngineCore:
         dispatched, after dispatching the next one."""
         cur = self._inflight or self._dispatch()
         self._inflight = None
-        if self.async_scheduling and cur.handle is not None and cur.out.can_overlap:
+        if self.async_scheduling and cur.handle is not None and cur.out.can_overlap and (
+                self._can_defer_sampling or not cur.out.samples_structured):
             self._inflight = self._dispatch(prev=cur.handle)
         result = self.runner.collect(cur.handle) if cur.handle is not None else RunnerOutput(None)
         t2 = time.perf_counter()
         out = self.last = cur.out
         changed = self.scheduler.update_from_output(out, result)
+        if self._inflight is not None and self._inflight.sampler_waits:  # the grammars have taken cur's tokens
+            self.runner.launch_sampler(self._inflight.handle)
         # A step scheduled ahead may be empty: every running request waited for its tokens.
         if not cur.ahead and self.scheduler.has_unfinished() and not out.scheduled and not out.finished:
             raise RuntimeError("the scheduler made no progress (a bug: see the guarantees in scheduler.py)")

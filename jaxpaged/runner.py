@@ -314,9 +314,10 @@ class InFlight:
     """A dispatched step: its batch and its outputs, still on the device."""
 
     batch: Batch
-    sampled: object  # SamplerOutput of device arrays
+    sampled: object  # SamplerOutput of device arrays (None until its sampler is launched)
     prompt_logprobs: object  # (logprobs, ranks, top ids, top logprobs) device arrays, or None
     rows: dict[int, int]  # sequence id -> the row that sampled its pending token
+    sampler_args: tuple | None = None  # the forward's logits and the sampler's arguments, until it is launched
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -433,25 +434,31 @@ class ModelRunner:
         """Run one scheduled step: block moves, the model, sampling. Returns numpy results."""
         return self.collect(self.dispatch(out))
 
-    def dispatch(self, out: SchedulerOutput, prev: InFlight | None = None) -> InFlight | None:
+    def dispatch(self, out: SchedulerOutput, prev: InFlight | None = None, *,
+                 defer_sampling: bool = False) -> InFlight | None:
         """Apply the block moves and launch the step; None when nothing is scheduled.
 
         ``prev``: the step before, when it has not been collected yet (async scheduling);
-        the tokens it sampled are this step's pending inputs.
+        the tokens it sampled are this step's pending inputs. ``defer_sampling``: launch the
+        forward alone; :meth:`launch_sampler` launches the sampler once the host has applied
+        ``prev``'s tokens (the structured outputs' masks follow them).
         """
         t0 = time.perf_counter()
         batch = self.prepare(out, prev.rows if prev is not None else None)
         if batch is None:
             return None
-        step = self.launch(batch, prev.sampled.tokens if prev is not None else None, batch.token_src)
+        step = self.launch(batch, prev.sampled.tokens if prev is not None else None, batch.token_src,
+                           defer_sampling=defer_sampling)
         self.time_batch += time.perf_counter() - t0
         return step
 
-    def launch(self, batch: Batch, prev_tokens, token_src: np.ndarray | None) -> InFlight:
-        """Launch a prepared batch: the model and the sampler. Token ``t`` whose ``token_src[t]``
-        is ``i >= 0`` is pending: it is ``prev_tokens[i]``, sampled by the step before (on the
-        device, not yet on the host). ``token_src`` None: no pending tokens."""
-        # Structured outputs' masks are computed once the forward is launched, while it runs (_launch).
+    def launch(self, batch: Batch, prev_tokens, token_src: np.ndarray | None, *,
+               defer_sampling: bool = False) -> InFlight:
+        """Launch a prepared batch: the model and (unless ``defer_sampling``) the sampler. Token
+        ``t`` whose ``token_src[t]`` is ``i >= 0`` is pending: it is ``prev_tokens[i]``, sampled
+        by the step before (on the device, not yet on the host). ``token_src`` None: no pending
+        tokens."""
+        # Structured outputs' masks are computed once the forward is launched, while it runs (launch_sampler).
         sm, num_logprobs, use_penalties, num_prompt_lp = self.sampling(batch.rows, len(batch.logits_indices),
                                                                        batch.prompt_lp_rows, masks=False)
         tokens = batch.tokens
@@ -460,11 +467,36 @@ class ModelRunner:
             tokens = self.sampler_programs.fill_pending(tokens, token_src, prev_tokens)
         else:
             tokens = jax.device_put(tokens, self._token_sharding)
-        sampled, prompt_lp = self._launch(batch, tokens, sm, num_logprobs=num_logprobs,
-                                          num_prompt_logprobs=num_prompt_lp, use_penalties=use_penalties)
-        for x in jax.tree.leaves((sampled, prompt_lp)):
+        md = AttentionMetadata(
+            positions=batch.positions, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
+            context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
+            decode_only=batch.decode_only, num_decode_rows=batch.num_decode_rows,
+        )
+        idx = np.concatenate([batch.logits_indices, batch.prompt_lp_indices])
+        self.compiled_shapes.add(("forward", *batch.shape_key))
+        logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
+        step = InFlight(batch, None, None, {r.seq.seq_id: i for i, r in enumerate(batch.rows)},
+                        (logits, sm, num_logprobs, num_prompt_lp, use_penalties))
+        if not defer_sampling:
+            self.launch_sampler(step)
+        return step
+
+    def launch_sampler(self, step: InFlight) -> None:
+        """Launch a dispatched step's sampler, its structured rows masked by their grammars as they
+        stand now (a row whose sequence has finished meanwhile samples unmasked: its token is dropped)."""
+        logits, sm, num_logprobs, num_prompt_lp, use_penalties = step.sampler_args
+        batch = step.batch
+        step.sampler_args = None
+        if (allowed := self.token_bitmask(batch.rows, len(batch.logits_indices))) is not None:
+            sm = dataclasses.replace(sm, allowed=allowed)
+        self.compiled_shapes.add(("sample", len(batch.logits_indices), len(batch.prompt_lp_indices), num_logprobs,
+                                  num_prompt_lp, use_penalties, tuple(np.shape(x) for x in jax.tree.leaves(sm)),
+                                  jax.tree.structure(sm)))
+        step.sampled, step.prompt_logprobs = self.sampler_programs.sample(
+            logits, sm, batch.prompt_lp_targets, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_lp,
+            use_penalties=use_penalties)
+        for x in jax.tree.leaves((step.sampled, step.prompt_logprobs)):
             x.copy_to_host_async()  # the host needs them next; start the transfer now
-        return InFlight(batch, sampled, prompt_lp, {r.seq.seq_id: i for i, r in enumerate(batch.rows)})
 
     def prepare(self, out: SchedulerOutput, pending_rows: dict[int, int] | None = None) -> Batch | None:
         """The host's half of a step: apply the block moves, build the padded batch (None when
@@ -477,8 +509,8 @@ class ModelRunner:
 
     def token_bitmask(self, batch_rows, num_rows: int) -> np.ndarray | None:
         """The structured outputs' token masks of ``num_rows`` padded sampling rows (None if no row
-        has one): llguidance's work, ~0.3 ms a row on CPU."""
-        grammars = [(i, r.matcher) for i, r in enumerate(batch_rows) if r.matcher is not None]
+        has one; a finished sequence's row has none): llguidance's work, ~0.3 ms a row on CPU."""
+        grammars = [(i, r.matcher) for i, r in enumerate(batch_rows) if r.matcher is not None and not r.seq.finished]
         return token_bitmask(grammars, num_rows, self.vocab_size) if grammars else None
 
     def sampling(self, batch_rows, num_rows: int, prompt_lp_rows, *, masks: bool = True) -> tuple:
@@ -515,25 +547,6 @@ class ModelRunner:
             chunks.append(PromptLogprobs(group.seq.request, group.start, lps, ranks, top_ids, top_lps))
             i += group.count
         return RunnerOutput(sampled, chunks)
-
-    def _launch(self, batch: Batch, tokens, sm, *, num_logprobs: int, num_prompt_logprobs: int,
-                use_penalties: bool):
-        """Launch the model and the sampler; (SamplerOutput, prompt logprobs or None) on the device."""
-        md = AttentionMetadata(
-            positions=batch.positions, slot_mapping=batch.slot_mapping, block_tables=batch.block_tables,
-            context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
-            decode_only=batch.decode_only, num_decode_rows=batch.num_decode_rows,
-        )
-        idx = np.concatenate([batch.logits_indices, batch.prompt_lp_indices])
-        self.compiled_shapes.add(("forward", *batch.shape_key))
-        logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
-        if (allowed := self.token_bitmask(batch.rows, len(batch.logits_indices))) is not None:
-            sm = dataclasses.replace(sm, allowed=allowed)  # computed while the forward runs
-        self.compiled_shapes.add(("sample", len(batch.logits_indices), len(batch.prompt_lp_indices), num_logprobs,
-                                  num_prompt_logprobs, use_penalties, tuple(np.shape(x) for x in jax.tree.leaves(sm)),
-                                  jax.tree.structure(sm)))
-        return self.sampler_programs.sample(logits, sm, batch.prompt_lp_targets, num_logprobs=num_logprobs,
-                                            num_prompt_logprobs=num_prompt_logprobs, use_penalties=use_penalties)
 
 
 def _padded_pairs(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

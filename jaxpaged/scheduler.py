@@ -138,12 +138,20 @@ class SchedulerOutput:
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host:
         not when a row forks (the first token of ``n > 1``) or ranks beams, whose new
-        sequences only exist once the host has seen the tokens, nor when a row with a
-        structured output samples (its next bitmask needs the token), nor when a sequence
-        has drafts or may propose some next (``speculates``): where its next step starts
-        depends on how many are accepted, and its drafts follow the token it samples."""
+        sequences only exist once the host has seen the tokens, nor when a sequence has
+        drafts or may propose some next (``speculates``): where its next step starts depends
+        on how many are accepted, and its drafts follow the token it samples. A row with a
+        structured output does not stop it: the next step's forward may run ahead, its
+        sampler waits for this step's tokens (:attr:`samples_structured`)."""
         return not self.speculates and not any(s.num_samples > 1 or s.seq.request.is_beam_search or s.draft
-                       or (s.num_samples and s.seq.matcher is not None) for s in self.scheduled)
+                                               for s in self.scheduled)
+
+    @property
+    def samples_structured(self) -> bool:
+        """A row with a structured output samples: its mask follows the grammar's state, so a
+        step scheduled ahead of this one's tokens must launch its sampler once they are
+        applied (or, with a runner that cannot wait to sample, not be scheduled ahead)."""
+        return any(s.num_samples and s.seq.matcher is not None for s in self.scheduled)
 
 
 class SampledRows(Protocol):

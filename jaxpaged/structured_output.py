@@ -19,9 +19,9 @@ keeps a matcher per sequence:
    ``finish_reason="stop"``. Where a grammar allows only stop ids that ``min_tokens`` still
    bans, the grammar wins.
 
-The bitmask of step N+1 needs the token of step N, so a step that samples a structured
-sequence is not overlapped with the next under async scheduling
-(``SchedulerOutput.can_overlap``). A grammar is checked when the request is added, before any
+The bitmask of step N+1 needs the token of step N: under async scheduling step N+1's
+forward is launched while step N runs, its sampler once step N's tokens have reached the
+grammars (``EngineCore.step``, ``SchedulerOutput.samples_structured``). A grammar is checked when the request is added, before any
 work, and a bad one is refused with llguidance's message. Beam search takes no grammar (as in
 vLLM). Samples forked from one prompt (``n > 1``) each get a copy of the matcher.
 """

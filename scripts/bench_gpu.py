@@ -796,10 +796,10 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
               kv_cache_memory=args.kv_cache_memory)
     cost = ModelCost.from_loaded(LoadedModel(model, None, cfg, "random"))
     runner, records, chunks = llm.runner, [], {}
-    dispatch, collect, launch = runner.dispatch, runner.collect, runner._launch
+    dispatch, collect, launch = runner.dispatch, runner.collect, runner.launch
     launch_s, launch_t0 = [0.0], [0.0]
 
-    def timed_launch(*a, **k):  # the jit calls alone: enqueueing a step's kernels takes host time
+    def timed_launch(*a, **k):  # the launch (sampling metadata, the jit calls): enqueueing kernels takes host time
         launch_t0[0] = time.perf_counter()
         res = launch(*a, **k)
         launch_s[0] += time.perf_counter() - launch_t0[0]
@@ -812,9 +812,9 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     counter = CompileCounter.get()
     skipped = collections.Counter()  # steps of the synchronous pass that compiled something: not step times
 
-    def timed_dispatch(out, prev=None):
+    def timed_dispatch(out, prev=None, **kw):
         shapes_before, compiles_before = len(runner.compiled_shapes), counter.snapshot()[0]
-        step = dispatch(out, prev)
+        step = dispatch(out, prev, **kw)
         if step is not None:
             chunks[id(step)] = ([(s.start, s.num_new_tokens, s.num_samples > 0) for s in out.scheduled],
                                 launch_t0[0], len(runner.compiled_shapes) > shapes_before, compiles_before)
@@ -847,15 +847,15 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
           f"{warm.compiles} compilations in {warm.compile_s:.1f} s", flush=True)
     timeline = []  # per dispatched step of the timed run: (sequences, tokens, dispatch time)
 
-    def logged_dispatch(out, prev=None):
+    def logged_dispatch(out, prev=None, **kw):
         timeline.append((len(out.scheduled), sum(s.num_new_tokens for s in out.scheduled), time.perf_counter()))
-        return dispatch(out, prev)
+        return dispatch(out, prev, **kw)
 
-    runner.dispatch, runner._launch = logged_dispatch, timed_launch
+    runner.dispatch, runner.launch = logged_dispatch, timed_launch
     run = run_offline(llm, wl, "jaxpaged", progress=False)
     timeline.append((0, 0, time.perf_counter()))
     timed_run_launch_s = launch_s[0]
-    runner.dispatch, runner._launch = dispatch, launch
+    runner.dispatch, runner.launch = dispatch, launch
     # 1.5x max_num_seqs requests with outputs capped at 96 tokens: the first batch prefills,
     # decodes, and as it finishes the rest are admitted in chunks beside the running
     # decodes, so the pass holds the busy phase's mixed steps too, in a few seconds.
@@ -863,14 +863,14 @@ def llama8b_table(args, bw: float, rates: dict) -> dict:
     sub = dataclasses.replace(wl, prompts=wl.prompts[:n_sub], max_tokens=[min(m, 96) for m in wl.max_tokens[:n_sub]])
     if not args.lean:
         llm.core.async_scheduling, runner.dispatch, runner.collect = False, timed_dispatch, timed_collect
-        runner._launch = timed_launch
+        runner.launch = timed_launch
         before = collections.Counter(counter.count)
         run_offline(llm, sub.with_fresh_ids(3, cfg.vocab_size), "per-step device times", progress=False)
         compiled = counter.count - before
         print(f"synchronous pass: {len(records)} steps timed, {sum(skipped.values())} left out ("
               + "; ".join(f"{k}: {n}" for k, n in skipped.items()) + "; compiled: "
               + ", ".join(f"{n} x{k}" for n, k in compiled.most_common()) + ")")
-        llm.core.async_scheduling, runner.dispatch, runner.collect, runner._launch = True, dispatch, collect, launch
+        llm.core.async_scheduling, runner.dispatch, runner.collect, runner.launch = True, dispatch, collect, launch
     e = run.engine_stats
     steps = e["num_steps"]
     phases = {k: e[f"time_{k}_s"] / steps * 1e3 for k in ("schedule", "batch", "device", "postprocess")}

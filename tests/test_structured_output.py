@@ -202,6 +202,26 @@ def test_outputs_match_their_grammar_under_any_schedule(tiny_engine_model, refer
         assert llm.stats()["num_swapped_out_blocks"] > 0
 
 
+def test_structured_steps_overlap_with_the_sampler_waiting_for_the_grammar(tiny_engine_model, reference):
+    """Under async scheduling a step after one that sampled a structured row still launches
+    ahead: its forward runs while the host applies the tokens, its sampler (masks from the
+    grammars' new state) once they are applied; the tokens are the synchronous loop's."""
+    structured = [1, 3, 4, 5]  # single-sample requests with a grammar
+    kw = {"block_size": 4, "num_blocks": 256, "max_num_seqs": 8, "max_model_len": 128, "debug_checks": True}
+    llm = LLM(tiny_engine_model, async_scheduling=True, **kw)
+    deferred = []
+    real = llm.runner.dispatch
+    llm.runner.dispatch = lambda out, prev=None, **kw: (deferred.append(kw.get("defer_sampling", False)),
+                                                        real(out, prev, **kw))[1]
+    outs = llm.generate([REQUESTS[i][0] for i in structured], [REQUESTS[i][1] for i in structured], use_tqdm=False)
+    for o, i in zip(outs, structured):
+        assert o.outputs[0].token_ids == reference[i].outputs[0].token_ids, o.prompt
+        assert o.outputs[0].finish_detail is None
+    steps, ahead = llm.core.num_steps, llm.core.num_steps_ahead
+    assert ahead >= steps - 3 and sum(deferred) >= steps - 3, (steps, ahead, sum(deferred))
+    assert llm.stats()["num_used_blocks"] == 0
+
+
 def test_a_structured_request_leaves_its_batch_mates_alone(tiny_engine_model, reference):
     llm = LLM(tiny_engine_model, block_size=4, num_blocks=256, max_model_len=128)
     alone = llm.generate(REQUESTS[0][0], REQUESTS[0][1], use_tqdm=False)[0]
