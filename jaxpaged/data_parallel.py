@@ -157,7 +157,8 @@ class DataParallelRunner:
 
     def dispatch(self, out: DataParallelOutput, prev: list | None = None, *, defer_sampling: bool = False) -> list:
         prev = prev or [None] * len(self.parts)
-        return [r.dispatch(o, p, defer_sampling=defer_sampling) for r, o, p in zip(self.parts, out.parts, prev)]
+        kw = {"defer_sampling": True} if defer_sampling else {}  # (parts that cannot defer never get it)
+        return [r.dispatch(o, p, **kw) for r, o, p in zip(self.parts, out.parts, prev)]
 
     def launch_sampler(self, handles: list) -> None:
         for r, h in zip(self.parts, handles):
