@@ -40,9 +40,15 @@ def invalid(e: Exception, body: OpenAIRequest | None = None) -> APIError:
     first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     fields = {"prompt", "messages", *OpenAIRequest.model_fields, *CompletionRequest.model_fields,
               *ChatCompletionRequest.model_fields}
+    if first == "structured_outputs" and body is not None and not body.structured_field():
+        if isinstance(body, ChatCompletionRequest) and body.tool_choice not in (None, "none", "auto"):
+            # The constraint is the tools' own: their schemas, or the tool choice itself.
+            if "is not a valid constraint" in message:
+                message = "tools: a function's parameters are not a usable JSON schema: " + message.split(": ", 1)[-1]
+                return APIError(400, message, param="tools", code="invalid_value")
+            return APIError(400, message, param="tool_choice", code="invalid_value")
     if first == "structured_outputs" and body is not None:
-        tool_constraint = isinstance(body, ChatCompletionRequest) and body.tool_choice not in (None, "none", "auto")
-        first = body.structured_field() or ("tool_choice" if tool_constraint else first)
+        first = body.structured_field() or first
     return APIError(400, message, param=first if first in fields else None, code="invalid_value")
 
 
@@ -289,8 +295,11 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def sampling_params(self, tool_call_parser: str | None = None) -> SamplingParams:
         choice = self.tool_choice_of(tool_call_parser)
-        schema = None if choice.kind == "none" else tool_schema(choice, self.tools,
-                                                               parallel_tool_calls=self.parallel_tool_calls)
+        try:
+            schema = None if choice.kind == "none" else tool_schema(choice, self.tools,
+                                                                   parallel_tool_calls=self.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools", code="invalid_value") from None
         # vLLM's hermes parser reads its tags with special tokens left in the text.
         skip = False if choice.kind == "auto" and tool_call_parser == "hermes" else None
         if self.top_logprobs is not None and not self.logprobs:

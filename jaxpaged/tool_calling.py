@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxpaged.input_processor import check_unicode
+
 TOOL_PARSERS = ("hermes", "llama3_json")
 
 
@@ -43,9 +45,22 @@ class ToolChoice:
     name: str | None = None
 
 
+def _check_strings(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        check_unicode(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, where)
+            _check_strings(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for k, v in enumerate(value):
+            _check_strings(v, f"{where}[{k}]")
+
+
 def check_tools(tools: Any) -> list[dict]:
     """``tools`` (OpenAI's ``[{"type": "function", "function": {"name", "description",
-    "parameters"}}]``) checked; errors name the culprit (``tools[i].function.name``)."""
+    "parameters"}}]``) checked; errors name the culprit (``tools[i].function.name``). As in
+    OpenAI's API, ``parameters`` describe an object (``"type": "object"``, or no type)."""
     if not isinstance(tools, list):
         raise TypeError(f"tools must be a list of tool objects, got {type(tools).__name__}")
     names = set()
@@ -65,6 +80,10 @@ def check_tools(tools: Any) -> list[dict]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ValueError(f"{where}.function.parameters must be a JSON schema object, got {params!r:.100}")
+        if params is not None and params.get("type", "object") != "object":
+            raise ValueError(f"{where}.function.parameters must describe an object (type 'object'), got type "
+                             f"{params['type']!r:.100}")
+        _check_strings(tool, where)
     return tools
 
 
@@ -94,19 +113,33 @@ def resolve_tool_choice(tool_choice: Any, tools: list[dict] | None) -> ToolChoic
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "object", **(tool["function"].get("parameters") or {"properties": {}})}
+
+
+_DEFS = ("$defs", "definitions")  # where a schema's "#/$defs/..." references point
 
 
 def tool_schema(choice: ToolChoice, tools: list[dict], *, parallel_tool_calls: bool = True) -> dict | None:
-    """The JSON schema a named or required tool choice constrains the reply to (None otherwise)."""
+    """The JSON schema a named or required tool choice constrains the reply to (None otherwise).
+    For ``"required"`` each tool's definitions (``$defs``) move to the top of the array's schema,
+    where its references point; two tools defining one name differently are refused."""
     if choice.kind == "named":
         return next(_parameters(t) for t in tools if t["function"]["name"] == choice.name)
     if choice.kind != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    calls, defs = [], {key: {} for key in _DEFS}
+    for i, t in enumerate(tools):
+        params = _parameters(t)
+        for key in _DEFS:
+            for name, definition in (params.pop(key, None) or {}).items():
+                if defs[key].setdefault(name, definition) != definition:
+                    raise ValueError(f"tools[{i}].function.parameters.{key}.{name} differs from another tool's "
+                                     "definition of that name; give them distinct names")
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                       "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema.update({key: d for key, d in defs.items() if d})
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return schema
@@ -164,16 +197,15 @@ class _JsonObjects:
         return found
 
 
-def _call(text: str, args_key: str | tuple[str, ...]) -> ToolCall | None:
-    """``{"name": str, <args_key>: object}`` as a call (arguments re-serialized), or None."""
+def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
+    """``{"name": str, <one of args_keys>: object}`` as a call (arguments re-serialized), or None."""
     try:
         obj = json.loads(text)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    keys = (args_key,) if isinstance(args_key, str) else args_key
-    args = next((obj[k] for k in keys if k in obj), {})
+    args = next((obj[k] for k in args_keys if k in obj), None)
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
@@ -192,9 +224,11 @@ class ToolCallStream:
 
     ``named`` (a function's name): the text is that call's arguments, streamed as they come.
     ``required``: the calls of the constrained JSON array, each sent once complete.
-    A parser's name (``"hermes"``, ``"llama3_json"``): its calls, each sent once complete, and
-    the text around them as content, less the whitespace before each call and at the end; a
-    reply with no call is its own content, unchanged.
+    ``"hermes"``: each ``<tool_call>`` block that holds ``{"name", "arguments"}`` a call, sent
+    once complete, and the text around them (broken blocks included) content, less the
+    whitespace before each call and at the end. ``"llama3_json"``: a reply that is calls and
+    nothing else, sent at its end; any other reply is content. A reply with no call is its
+    own content, unchanged.
     """
 
     def __init__(self, mode: str, *, name: str | None = None, max_calls: int | None = None):
@@ -205,7 +239,7 @@ class ToolCallStream:
         self.pending = ""  # text not yet sent as content or taken into a call
         self.held_space = ""  # whitespace-only content held back
         self.in_call = False  # hermes: inside <tool_call>
-        self.llama_mode: str | None = None  # llama3_json: None (undecided), "calls" or "content"
+        self.llama_mode: str | None = None  # llama3_json: None (calls, or undecided) or "content"
         self.objects = _JsonObjects(1 if mode == "required" else 0)
         self.raw = ""  # required / llama3_json: all text, for when no call is found
         self.finished = False
@@ -261,28 +295,24 @@ class ToolCallStream:
         self.held_space = text[k:]
 
     def _json_calls(self, piece: str, u: Update) -> None:
-        """``required`` and ``llama3_json``: complete objects become calls; a reply with none is content."""
+        """``required``: each complete object of the array a call. ``llama3_json``: a reply that
+        is calls (``{...}; {...}``, after ``<|python_tag|>``) all at the end, any other reply
+        content. A reply with no call is content."""
         self.raw += piece
-        if self.mode == "llama3_json" and self.llama_mode is None:
-            head = self.raw.lstrip()
-            tag = "<|python_tag|>"
-            if head.startswith(tag) or head.startswith("{"):
-                self.llama_mode = "calls"
-                piece = self.raw.lstrip().removeprefix(tag)
-            elif head and not tag.startswith(head):
+        if self.mode == "required":
+            for text in self.objects.feed(piece):
+                self._add_call(_call(text, ("parameters",)), u)
+        else:
+            tag, head = "<|python_tag|>", self.raw.lstrip()
+            if self.llama_mode is None and head and not (head.startswith(("{", tag)) or tag.startswith(head)):
                 self.llama_mode = "content"
                 piece = self.raw
+            if self.llama_mode == "content":
+                self._content(piece, u)
             elif self.finished:
-                self.llama_mode = "content"
-                piece = self.raw
-            else:
-                return
-        if self.llama_mode == "content":
-            self._content(piece, u)
-            return
-        for text in self.objects.feed(piece):
-            self._add_call(_call(text, "parameters" if self.mode == "required" else ("parameters", "arguments")), u)
-        if self.finished and not self.calls:
+                for call in _llama_calls(head.removeprefix(tag)) or ():
+                    self._add_call(call, u)
+        if self.finished and not self.calls and self.llama_mode != "content":  # (content went out as it came)
             u.content += self.raw
 
     def _hermes(self, piece: str, u: Update) -> None:
@@ -303,12 +333,25 @@ class ToolCallStream:
             if j < 0 and not self.finished:
                 return
             body = self.pending if j < 0 else self.pending[:j]
-            if not self._add_call(_call(body, "arguments"), u):
+            if not self._add_call(_call(body, ("arguments",)), u):
                 self._content(start + body + ("" if j < 0 else end), u)
             self.pending = "" if j < 0 else self.pending[j + len(end):]
             self.in_call = False
             if j < 0:
                 return
+
+
+def _llama_calls(text: str) -> list[ToolCall] | None:
+    """Calls ``{"name", "parameters" | "arguments"}`` separated by ``;``, or None if ``text`` is
+    anything else (then the reply is content, as vLLM's parser has it)."""
+    calls, rest = [], text
+    for obj in _JsonObjects(0).feed(text):
+        gap, rest = rest.split(obj, 1)
+        call = _call(obj, ("parameters", "arguments"))
+        if call is None or gap.strip() != (";" if calls else ""):
+            return None
+        calls.append(call)
+    return calls if calls and not rest.strip() else None
 
 
 def _partial_suffix(text: str, marker: str) -> int:

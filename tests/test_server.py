@@ -541,6 +541,12 @@ BAD = [  # (path, body, status, message pattern, param)
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": "required", "use_beam_search": True, "n": 2, "temperature": 0}, 400,
      r"^structured_outputs cannot be used with use_beam_search", "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}]}, 400,
+     r"^tools: a function's parameters are not a usable JSON schema", "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": n, "parameters": {"$defs": {"u": {"enum": [n]}}}}} for n in "fg"]},
+     400, r"^tools\[1\]\.function\.parameters\.\$defs\.u differs from another tool's definition", "tools"),
     ("/tokenize", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": 3}}]}, 400,
      r"^tools\[0\]\.function\.name must be a non-empty string", "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [

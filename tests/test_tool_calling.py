@@ -33,6 +33,10 @@ TOOLS = [WEATHER, ADD]
     ([WEATHER, {"type": "function", "function": {"name": ""}}], r"^tools\[1\]\.function\.name must be a non-empty"),
     ([WEATHER, WEATHER], r"^tools\[1\]\.function\.name 'get_weather' is given twice"),
     ([{"function": {"name": "f", "parameters": "x"}}], r"^tools\[0\]\.function\.parameters must be a JSON schema"),
+    ([{"function": {"name": "f", "parameters": {"type": "string"}}}],
+     r"^tools\[0\]\.function\.parameters must describe an object \(type 'object'\), got type 'string'"),
+    ([WEATHER, {"function": {"name": "\ud800"}}], r"^tools\[1\]\.function\.name is not valid Unicode"),
+    ([{"function": {"name": "f", "description": "a\udfffb"}}], r"^tools\[0\]\.function\.description is not valid"),
 ])
 def test_bad_tools_are_refused_by_name(tools, pattern):
     with pytest.raises((TypeError, ValueError), match=pattern):
@@ -59,6 +63,24 @@ def test_the_schemas_a_tool_choice_constrains_to():
     assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == [["get_weather"], ["add"]]
     assert tool_schema(ToolChoice("required"), TOOLS, parallel_tool_calls=False)["maxItems"] == 1
     assert tool_schema(ToolChoice("auto"), TOOLS) is None
+    assert tool_schema(ToolChoice("named", "f"), [{"function": {"name": "f", "parameters": {"properties": {}}}}]) == {
+        "type": "object", "properties": {}}  # an object, as OpenAI's API takes parameters without a type
+
+
+def unit_tool(name: str, unit: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"u": {"$ref": "#/$defs/unit"}}, "required": ["u"],
+        "additionalProperties": False, "$defs": {"unit": unit}}}}
+
+
+def test_required_moves_each_tools_definitions_to_the_top_where_their_references_point():
+    same = [unit_tool("f", {"enum": ["C", "F"]}), unit_tool("g", {"enum": ["C", "F"]})]
+    schema = tool_schema(ToolChoice("required"), same)
+    assert schema["$defs"] == {"unit": {"enum": ["C", "F"]}}
+    assert all("$defs" not in c["properties"]["parameters"] for c in schema["items"]["anyOf"])
+    assert "$defs" in same[0]["function"]["parameters"]  # the request's tools are left as they were
+    with pytest.raises(ValueError, match=r"^tools\[1\]\.function\.parameters\.\$defs\.unit differs from another"):
+        tool_schema(ToolChoice("required"), [unit_tool("f", {"enum": ["C"]}), unit_tool("g", {"enum": ["K"]})])
 
 
 # ---- finding the calls, streamed and whole ---------------------------------------------------
@@ -103,7 +125,9 @@ def hermes_replies(draw):
         st.tuples(st.just("text"), TEXT),
         st.tuples(st.just("space"), st.sampled_from(["\n", " ", "\n\n"])),
         st.tuples(st.just("call"), st.tuples(NAMES, ARGS, st.sampled_from(["", "\n"]))),
-        st.tuples(st.just("broken"), st.sampled_from(["{", "{\"name\": 3}", "[]", "{\"arguments\": {}}"])),
+        st.tuples(st.just("broken"), st.sampled_from(["{", "{\"name\": 3}", "[]", "{\"arguments\": {}}",
+                                                      "{\"name\": \"add\"}", "{\"name\": \"f\", \"parameters\": {}}",
+                                                      "{\"name\": \"f\", \"arguments\": \"{}\"}"])),
     ), max_size=6))
     unterminated = draw(st.booleans())
     text, calls, chunks = "", [], [""]  # chunks: the text before each call, and after the last
@@ -137,8 +161,11 @@ def llama_replies(draw):
     calls = draw(st.lists(st.tuples(NAMES, ARGS), max_size=3))
     key = draw(st.sampled_from(["parameters", "arguments"]))
     lead = draw(st.sampled_from(["", " ", "<|python_tag|>", "\n<|python_tag|>"]))
-    if not calls:
-        return draw(st.sampled_from(["", "Hello.", " <|python", "<|python_tag|>no call", "{not json"])), []
+    if not calls:  # anything but calls alone is content, as vLLM's parser has it
+        return draw(st.sampled_from(["", "Hello.", " <|python", "<|python_tag|>no call", "{not json", '{"name": "f"}',
+                                     '{"name": "f", "parameters": {}} and some text', '{"a": 1}; {"name": "f", '
+                                     '"parameters": {}}', '; {"name": "f", "parameters": {}}',
+                                     '{"name": "f", "parameters": {}} {"name": "g", "parameters": {}}'])), []
     text = lead + "; ".join(json.dumps({"name": n, key: a}) for n, a in calls)
     return text, [{"name": n, "arguments": json.dumps(a)} for n, a in calls]
 
@@ -263,6 +290,9 @@ def test_a_required_tool_choice_makes_one_or_more_calls_of_the_listed_tools(serv
     one = whole(client, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=1.0, seed=0,
                 parallel_tool_calls=False)
     assert len(one[1]) == 1 and one[2] == "tool_calls"
+    defs = whole(client, messages=CHAT, tools=[unit_tool("f", {"enum": ["C", "F"]}), unit_tool("g", {"enum": ["C", "F"]})],
+                 tool_choice="required", max_tokens=80, temperature=1.0, seed=1, parallel_tool_calls=False)
+    assert defs[2] == "tool_calls" and json.loads(defs[1][0]["arguments"])["u"] in ("C", "F")  # $refs resolved
 
 
 HERMES_REPLY = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
