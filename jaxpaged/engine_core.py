@@ -11,10 +11,11 @@ scheduling: each ``step()`` schedules and dispatches step N+1 while step N runs,
 collects step N and applies it. Step N+1 reads the tokens step N sampled on the device;
 the scheduler learns them (and so stops) one step late and drops the one extra token a
 finished sequence may get. Tokens are the synchronous loop's. A step whose rows fork
-samples or rank beams is not overlapped: the next step needs the new sequences. Where a
-structured output samples, the next step's forward is still launched ahead but its sampler
-only once this step is applied (its masks follow the grammars' new state), with a runner that
-can wait to sample (``launch_sampler``); with one that cannot, the step is not overlapped.
+samples or rank beams is not overlapped: the next step needs the new sequences. Where the
+next step's sampler needs this step's tokens (a structured output's mask follows them,
+penalties count them), its forward is still launched ahead and its sampler once this step
+is applied, with a runner that can wait to sample (``launch_sampler``); with one that cannot,
+a step that samples a structured row is not overlapped and a penalised request sits a step out.
 """
 
 from __future__ import annotations
@@ -78,7 +79,23 @@ class EngineCore:
         self.timers = Timers()
         self.last: SchedulerOutput | None = None  # the decision of the step last applied (benchmarks read it)
         self.on_dispatch: Callable[[], None] | None = None  # called once a step is scheduled and dispatched
-        self._can_defer_sampling = callable(getattr(runner, "launch_sampler", None))
+        self.defer_sampling = callable(getattr(runner, "launch_sampler", None))
+
+    @property
+    def defer_sampling(self) -> bool:
+        """Whether a step may run ahead of the tokens its sampler needs (a structured output's
+        mask, penalties), its sampler launched once they are applied: on with a runner that can
+        wait to sample (``launch_sampler``). Off, such steps are not overlapped and penalised
+        requests sit a step out instead (what benchmarks compare against)."""
+        return self._defer_sampling
+
+    @defer_sampling.setter
+    def defer_sampling(self, on: bool) -> None:
+        if on and not callable(getattr(self.runner, "launch_sampler", None)):
+            raise ValueError(f"{type(self.runner).__name__} cannot wait to sample (it has no launch_sampler)")
+        self._defer_sampling = on
+        for part in getattr(self.scheduler, "parts", [self.scheduler]):
+            part.penalties_wait = not on
 
     def add(self, req: Request) -> None:
         """Queue a request that ``InputProcessor`` validated."""
@@ -104,7 +121,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.timers.schedule += time.perf_counter() - t0
         # A runner that cannot wait to sample is not run ahead of a structured row's token (see step).
-        waits = prev is not None and self._can_defer_sampling and out.samples_structured
+        waits = prev is not None and self.defer_sampling and out.sampler_waits
         handle = None
         if out.scheduled or out.block_ops:
             handle = (self.runner.dispatch(out, prev, defer_sampling=True) if waits else
@@ -121,7 +138,7 @@ class EngineCore:
         cur = self._inflight or self._dispatch()
         self._inflight = None
         if self.async_scheduling and cur.handle is not None and cur.out.can_overlap and (
-                self._can_defer_sampling or not cur.out.samples_structured):
+                self.defer_sampling or not cur.out.samples_structured):
             self._inflight = self._dispatch(prev=cur.handle)
         result = self.runner.collect(cur.handle) if cur.handle is not None else RunnerOutput(None)
         t2 = time.perf_counter()

@@ -317,7 +317,7 @@ class InFlight:
     sampled: object  # SamplerOutput of device arrays (None until its sampler is launched)
     prompt_logprobs: object  # (logprobs, ranks, top ids, top logprobs) device arrays, or None
     rows: dict[int, int]  # sequence id -> the row that sampled its pending token
-    sampler_args: tuple | None = None  # the forward's logits and the sampler's arguments, until it is launched
+    sampler_args: object = None  # the forward's logits, until the sampler is launched
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -458,9 +458,6 @@ class ModelRunner:
         ``t`` whose ``token_src[t]`` is ``i >= 0`` is pending: it is ``prev_tokens[i]``, sampled
         by the step before (on the device, not yet on the host). ``token_src`` None: no pending
         tokens."""
-        # Structured outputs' masks are computed once the forward is launched, while it runs (launch_sampler).
-        sm, num_logprobs, use_penalties, num_prompt_lp = self.sampling(batch.rows, len(batch.logits_indices),
-                                                                       batch.prompt_lp_rows, masks=False)
         tokens = batch.tokens
         if token_src is not None:
             self.compiled_shapes.add(("fill", len(tokens), len(prev_tokens)))
@@ -475,20 +472,20 @@ class ModelRunner:
         idx = np.concatenate([batch.logits_indices, batch.prompt_lp_indices])
         self.compiled_shapes.add(("forward", *batch.shape_key))
         logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
-        step = InFlight(batch, None, None, {r.seq.seq_id: i for i, r in enumerate(batch.rows)},
-                        (logits, sm, num_logprobs, num_prompt_lp, use_penalties))
+        step = InFlight(batch, None, None, {r.seq.seq_id: i for i, r in enumerate(batch.rows)}, logits)
         if not defer_sampling:
             self.launch_sampler(step)
         return step
 
     def launch_sampler(self, step: InFlight) -> None:
-        """Launch a dispatched step's sampler, its structured rows masked by their grammars as they
-        stand now (a row whose sequence has finished meanwhile samples unmasked: its token is dropped)."""
-        logits, sm, num_logprobs, num_prompt_lp, use_penalties = step.sampler_args
-        batch = step.batch
+        """Launch a dispatched step's sampler, its metadata built now, while the forward runs: the
+        structured rows masked by their grammars and the penalties counting the output tokens as
+        they stand (a row whose sequence has finished meanwhile samples unmasked: its token is
+        dropped)."""
+        logits, batch = step.sampler_args, step.batch
         step.sampler_args = None
-        if (allowed := self.token_bitmask(batch.rows, len(batch.logits_indices))) is not None:
-            sm = dataclasses.replace(sm, allowed=allowed)
+        sm, num_logprobs, use_penalties, num_prompt_lp = self.sampling(batch.rows, len(batch.logits_indices),
+                                                                       batch.prompt_lp_rows)
         self.compiled_shapes.add(("sample", len(batch.logits_indices), len(batch.prompt_lp_indices), num_logprobs,
                                   num_prompt_lp, use_penalties, tuple(np.shape(x) for x in jax.tree.leaves(sm)),
                                   jax.tree.structure(sm)))
@@ -513,17 +510,16 @@ class ModelRunner:
         grammars = [(i, r.matcher) for i, r in enumerate(batch_rows) if r.matcher is not None and not r.seq.finished]
         return token_bitmask(grammars, num_rows, self.vocab_size) if grammars else None
 
-    def sampling(self, batch_rows, num_rows: int, prompt_lp_rows, *, masks: bool = True) -> tuple:
+    def sampling(self, batch_rows, num_rows: int, prompt_lp_rows) -> tuple:
         """``(metadata, num_logprobs, use_penalties, num_prompt_logprobs)`` of ``num_rows`` padded
-        sampling rows, the first ``batch_rows`` real; ``masks=False`` leaves the structured
-        outputs' masks out (``token_bitmask``, for the caller to add)."""
+        sampling rows, the first ``batch_rows`` real."""
         # A sampling chunk ends at the sequence's last token, pending ones included, or at its
         # last draft, and the scheduler has just advanced num_computed_tokens to that end.
         rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
                             r.seq.request.prompt_token_ids,
                             r.seq.output_token_ids + r.drafted if r.seq.request.params.has_penalties else (),
                             r.seq.num_computed_tokens - r.seq.num_prompt_tokens - r.ahead) for r in batch_rows]
-        allowed = self.token_bitmask(batch_rows, num_rows) if masks else None
+        allowed = self.token_bitmask(batch_rows, num_rows)
         sm, num_logprobs, use_penalties = build_sampling_metadata(rows, num_rows, self.vocab_size, self.eos_ids,
                                                                   allowed)
         # Beam search ranks each beam's top 2 * width continuations.

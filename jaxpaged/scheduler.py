@@ -148,10 +148,19 @@ class SchedulerOutput:
 
     @property
     def samples_structured(self) -> bool:
-        """A row with a structured output samples: its mask follows the grammar's state, so a
-        step scheduled ahead of this one's tokens must launch its sampler once they are
-        applied (or, with a runner that cannot wait to sample, not be scheduled ahead)."""
+        """A row with a structured output samples: its mask follows the grammar's state, so with
+        a runner that cannot wait to sample, the next step is not scheduled ahead of this one's
+        tokens."""
         return any(s.num_samples and s.seq.matcher is not None for s in self.scheduled)
+
+    @property
+    def sampler_waits(self) -> bool:
+        """A row samples whose sampler needs a token still pending from the step before (read
+        right after ``schedule``): a structured output's mask follows it, penalties count it.
+        Such a step's sampler is launched once that step is applied."""
+        return any(s.num_samples and s.seq.num_pending and (s.seq.matcher is not None
+                                                            or s.seq.request.params.has_penalties)
+                   for s in self.scheduled)
 
 
 class SampledRows(Protocol):
@@ -197,6 +206,9 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.preemption_mode = preemption_mode
         self.speculative_config = speculative_config
+        # A penalised request sits a step out while its last token is on the device (async
+        # scheduling); the engine core turns this off when its runner can wait to sample.
+        self.penalties_wait = True
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in arrival order
         self.swapped: collections.deque[Request] = collections.deque()  # in arrival order
@@ -329,11 +341,13 @@ class Scheduler:
     def _waits_for_tokens(self, req: Request, live: list[Sequence]) -> bool:
         """Whether ``req`` sits this step out because a token it sampled is still on the device
         (async scheduling) and this step would need it on the host: to fork samples or rank
-        beams, to count it in penalties, or because it ends ``req`` by length anyway."""
+        beams, to count it in penalties (unless the step's sampler may wait for it:
+        ``penalties_wait`` off), or because it ends ``req`` by length anyway."""
         if not any(s.num_pending for s in live):
             return False
         p = req.params
-        if req.is_beam_search or (p.n > 1 and live[0].num_output_tokens == 0) or p.has_penalties:
+        if req.is_beam_search or (p.n > 1 and live[0].num_output_tokens == 0) or (p.has_penalties
+                                                                                 and self.penalties_wait):
             return True
         return any(s.num_tokens >= self.max_model_len or
                    (p.max_tokens is not None and s.num_output_tokens + s.num_pending >= p.max_tokens) for s in live)

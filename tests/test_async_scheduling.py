@@ -121,23 +121,37 @@ def test_abort_while_a_step_is_in_flight(tiny_engine_model):
     assert llm.stats()["num_used_blocks"] == 0
 
 
-def test_penalised_requests_wait_for_their_tokens(tiny_engine_model):
-    """Penalties count every generated token, so such a request is not scheduled while its
-    last token is still on the device; the others still run ahead."""
+@pytest.mark.parametrize("defer", [True, False], ids=["sampler waits", "request waits"])
+def test_penalised_requests_get_their_tokens_counted(tiny_engine_model, defer):
+    """Penalties count every generated token. By default the step runs ahead anyway and its
+    sampler waits for the token (launched once the step before is applied); with a runner
+    that cannot wait to sample (``defer_sampling`` off), the request is not scheduled while
+    its last token is still on the device, and the others still run ahead. Either way the
+    tokens are the synchronous loop's."""
     prompts, _ = mixed_requests(tiny_engine_model.config.vocab_size)
-    pen = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5)
+    pen = SamplingParams(temperature=0.7, seed=4, max_tokens=12, ignore_eos=True, repetition_penalty=1.5,
+                         presence_penalty=0.5, frequency_penalty=0.3)
+    free = GREEDY.replace(max_tokens=12)
+    ref = LLM(tiny_engine_model, block_size=4, num_blocks=128, max_model_len=128, async_scheduling=False).generate(
+        prompts[:2], [pen, free], use_tqdm=False)
     llm = LLM(tiny_engine_model, block_size=4, num_blocks=128, max_model_len=128, async_scheduling=True)
+    assert llm.core.defer_sampling  # the model runner can wait to sample
+    llm.core.defer_sampling = defer
     p_id = llm.add_request(prompts[0], pen)
-    g_id = llm.add_request(prompts[1], GREEDY.replace(max_tokens=12))
-    steps = []
+    g_id = llm.add_request(prompts[1], free)
+    steps, outs = [], {}
     while llm.has_unfinished_requests():
-        llm.step()
+        for o in llm.step():
+            outs[o.request_id] = o
         if llm.core.last.scheduled:
             steps.append({s.seq.request.request_id for s in llm.core.last.scheduled})
-    # Both prefill in step 0; the other decodes in each of the next 11, the penalised one in
-    # every other step while it runs ahead, then alone (an empty step between its own).
-    assert [g_id in s for s in steps] == [True] * 12 + [False] * 6
-    assert [p_id in s for s in steps] == [True, False] * 6 + [True] * 6
+    assert [outs[i].outputs[0].token_ids for i in (p_id, g_id)] == [r.outputs[0].token_ids for r in ref]
+    if defer:  # both in every step, each after the first run ahead
+        assert steps == [{p_id, g_id}] * 12 and llm.core.num_steps_ahead == 11
+    else:  # both prefill in step 0; the other decodes in each of the next 11, the penalised
+        # one in every other step while it runs ahead, then alone (an empty step between its own)
+        assert [g_id in s for s in steps] == [True] * 12 + [False] * 6
+        assert [p_id in s for s in steps] == [True, False] * 6 + [True] * 6
 
 
 def test_the_default_model_gives_the_same_text(smollm):
