@@ -24,7 +24,7 @@ def mixed_requests(vocab: int):
     rng = np.random.default_rng(0)
     prefix = rng.integers(3, vocab, 20).tolist()
     prompts = [prefix + rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(1, 30, 9)]
-    prompts += ["the paged cache of blocks", "a river and a stone"]
+    prompts += ["the paged cache of blocks", "a river and a stone", "some words"]
     params = [
         GREEDY,
         SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=20, ignore_eos=True),
@@ -37,6 +37,9 @@ def mixed_requests(vocab: int):
         SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=22, ignore_eos=True, frequency_penalty=0.4),
         GREEDY.replace(max_tokens=40),
         SamplingParams(temperature=0, max_tokens=25, stop=[" "]),
+        # Its sampler needs the token before on the host twice over: the mask and the penalty.
+        SamplingParams(temperature=0.7, seed=2, max_tokens=14, presence_penalty=0.3,
+                       structured_outputs={"regex": "[a-z]{3,9}( [a-z]{2,5}){1,3}"}),
     ]
     return prompts, params
 
