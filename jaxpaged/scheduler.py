@@ -304,7 +304,7 @@ class Scheduler:
         limit = min(budget, self.max_model_len - len(seq.token_ids) - 1)
         if p.max_tokens is not None:
             limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
-        draft = spec.propose(seq.token_ids, limit) if limit > 0 else []
+        draft = spec.propose(seq.token_array(), limit) if limit > 0 else []
         matchers = []
         if seq.matcher is not None:  # drafts only as far as the grammar takes them
             m = seq.matcher

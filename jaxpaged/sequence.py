@@ -6,6 +6,8 @@ import enum
 import itertools
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxpaged.outputs import FinishReason, PositionLogprobs, RequestMetrics
 from jaxpaged.sampling_params import SamplingParams
 
@@ -50,6 +52,8 @@ class Sequence:
         self.finish_detail: str | None = None  # set when the engine, not the model, ended it
         self.detok: Detokenizer | None = None
         self.matcher: Matcher | None = None  # its structured output's grammar state
+        self._array: np.ndarray | None = None  # token_ids mirrored as they grow (token_array)
+        self._filled = 0  # how many of them the mirror holds
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,6 +79,21 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def token_array(self) -> np.ndarray:
+        """``token_ids`` as an int32 array: a view of a buffer that copies only the tokens
+        appended since the last call (the n-gram lookup reads it every step, and converting a
+        list of thousands of tokens costs ~70 us)."""
+        n, have = len(self.token_ids), self._filled
+        if self._array is None or n > len(self._array):
+            grown = np.empty(max(2 * n, 64), np.int32)
+            if have:
+                grown[:have] = self._array[:have]
+            self._array = grown
+        if n > have:
+            self._array[have:n] = self.token_ids[have:n]
+            self._filled = n
+        return self._array[:n]
 
     def append(self, token: int, logprob: float, entry: PositionLogprobs | None, *, text: bool = True) -> str | None:
         """Append a sampled token; returns the stop string it completed, if any. ``text``:

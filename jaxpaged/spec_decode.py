@@ -77,7 +77,7 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int] | np.ndarray, max_drafts: int) -> list[int]:
         """The drafts to follow ``token_ids``, at most ``max_drafts`` of them (see :func:`propose_ngram`)."""
         return propose_ngram(token_ids, min(max_drafts, self.num_speculative_tokens), self.prompt_lookup_min,
                              self.prompt_lookup_max)
@@ -98,7 +98,7 @@ def as_speculative_config(value: SpeculativeConfig | Mapping | None) -> Speculat
     return SpeculativeConfig(**value)
 
 
-def propose_ngram(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+def propose_ngram(token_ids: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """``k`` tokens that followed the latest earlier occurrence of the longest suffix of
     ``token_ids`` of ``n_min`` to ``n_max`` tokens; [] when no such suffix occurred before.
 
@@ -107,7 +107,7 @@ def propose_ngram(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
     num = len(token_ids)
     if k < 1 or num < n_min + 1:
         return []
-    tokens = np.asarray(token_ids, np.int64)
+    tokens = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids, np.int64)
     # Where earlier occurrences could end: positions before the last that hold the last token.
     # Each round keeps those whose match reaches one token further back.
     ends = np.flatnonzero(tokens[:num - 1] == tokens[num - 1])

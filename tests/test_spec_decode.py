@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from jaxpaged import LLM, SamplingParams, SpeculativeConfig
 from jaxpaged.engine_args import EngineArgs
+from jaxpaged.sequence import Request
 from jaxpaged.spec_decode import propose_ngram
 
 
@@ -36,6 +37,24 @@ def naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
 @given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
 def test_the_proposer_finds_what_a_plain_search_finds(tokens, k, n_min, extra):
     assert propose_ngram(tokens, k, n_min, n_min + extra) == naive_ngram(tokens, k, n_min, n_min + extra)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 3), max_size=20), st.lists(st.lists(st.integers(0, 3), max_size=40), max_size=6),
+       st.integers(0, 2))
+def test_a_sequences_token_array_follows_its_tokens_as_they_grow(prompt, growths, fork_after):
+    """The lookup reads ``Sequence.token_array()``: the tokens so far whatever was appended
+    since (the buffer regrows), a fork's its own; proposals from it equal the list's."""
+    seq = Request("r", None, prompt, SamplingParams(max_tokens=1), 0.0, 0).seqs[0]
+    for i, grown in enumerate(growths):
+        for t in grown:
+            seq.append(t, 0.0, None)
+        if i == fork_after:
+            seq, parent = seq.fork(1), seq
+            parent.append(3, 0.0, None)  # the parent's later tokens are not the child's
+        arr = seq.token_array()
+        assert arr.tolist() == seq.token_ids
+        assert propose_ngram(arr, 3, 1, 3) == propose_ngram(seq.token_ids, 3, 1, 3)
 
 
 def test_proposals_by_hand():
