@@ -40,15 +40,15 @@ def invalid(e: Exception, body: OpenAIRequest | None = None) -> APIError:
     first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     fields = {"prompt", "messages", *OpenAIRequest.model_fields, *CompletionRequest.model_fields,
               *ChatCompletionRequest.model_fields}
-    if first == "structured_outputs" and body is not None and not body.structured_field():
-        if isinstance(body, ChatCompletionRequest) and body.tool_choice not in (None, "none", "auto"):
-            # The constraint is the tools' own: their schemas, or the tool choice itself.
+    if first == "structured_outputs" and body is not None:
+        field = body.structured_field()
+        if field is None and isinstance(body, ChatCompletionRequest) and body.tool_choice not in (None, "none", "auto"):
+            # The constraint is a named or required tool choice's: the tools' schemas, or the choice itself.
             if "is not a valid constraint" in message:
                 message = "tools: a function's parameters are not a usable JSON schema: " + message.split(": ", 1)[-1]
                 return APIError(400, message, param="tools", code="invalid_value")
             return APIError(400, message, param="tool_choice", code="invalid_value")
-    if first == "structured_outputs" and body is not None:
-        first = body.structured_field() or first
+        first = field or first
     return APIError(400, message, param=first if first in fields else None, code="invalid_value")
 
 

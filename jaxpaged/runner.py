@@ -441,7 +441,7 @@ class ModelRunner:
         ``prev``: the step before, when it has not been collected yet (async scheduling);
         the tokens it sampled are this step's pending inputs. ``defer_sampling``: launch the
         forward alone; :meth:`launch_sampler` launches the sampler once the host has applied
-        ``prev``'s tokens (the structured outputs' masks follow them).
+        ``prev``'s tokens (the structured outputs' masks follow them, penalties count them).
         """
         t0 = time.perf_counter()
         batch = self.prepare(out, prev.rows if prev is not None else None)
