@@ -130,11 +130,17 @@ class EngineCore:
             self.on_dispatch()
         return _InFlight(out, handle, prev is not None, waits and handle is not None)
 
+    def _launch_waiting_sampler(self) -> None:
+        self._inflight.sampler_waits = False
+        self.runner.launch_sampler(self._inflight.handle)
+
     def step(self) -> list[Request]:
         """One iteration; returns the requests it changed (finished ones are forgotten).
 
         Synchronous: schedule, run, apply. Async: apply the step the previous call
         dispatched, after dispatching the next one."""
+        if self._inflight is not None and self._inflight.sampler_waits:  # an exception cut the last step short
+            self._launch_waiting_sampler()
         cur = self._inflight or self._dispatch()
         self._inflight = None
         if self.async_scheduling and cur.handle is not None and cur.out.can_overlap and (
@@ -145,7 +151,7 @@ class EngineCore:
         out = self.last = cur.out
         changed = self.scheduler.update_from_output(out, result)
         if self._inflight is not None and self._inflight.sampler_waits:  # the grammars have taken cur's tokens
-            self.runner.launch_sampler(self._inflight.handle)
+            self._launch_waiting_sampler()
         # A step scheduled ahead may be empty: every running request waited for its tokens.
         if not cur.ahead and self.scheduler.has_unfinished() and not out.scheduled and not out.finished:
             raise RuntimeError("the scheduler made no progress (a bug: see the guarantees in scheduler.py)")

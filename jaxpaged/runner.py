@@ -40,7 +40,7 @@ from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, 
 from jaxpaged.model import Llama
 from jaxpaged.padding import bucket
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata, compute_logprobs, sample
-from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PromptLogprobs, RunnerOutput, SchedulerOutput
 from jaxpaged.structured_output import token_bitmask
 
@@ -320,6 +320,9 @@ class InFlight:
     sampler_args: object = None  # the forward's logits, until the sampler is launched
 
 
+_DROPPED_ROW = SamplingParams(temperature=0, max_tokens=1)  # the options of a row whose token is dropped
+
+
 def row_seed(seed: int, index: int) -> int:
     """Seed of sample ``index`` of a request: distinct per index, independent of batching."""
     return (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
@@ -514,8 +517,11 @@ class ModelRunner:
         """``(metadata, num_logprobs, use_penalties, num_prompt_logprobs)`` of ``num_rows`` padded
         sampling rows, the first ``batch_rows`` real."""
         # A sampling chunk ends at the sequence's last token, pending ones included, or at its
-        # last draft, and the scheduler has just advanced num_computed_tokens to that end.
-        rows = [SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
+        # last draft, and the scheduler has just advanced num_computed_tokens to that end. A
+        # sequence that finished (or was aborted) since the step was scheduled samples a token
+        # that is dropped: plainly, without its options (its penalties may lack its last token).
+        rows = [SamplingRow(_DROPPED_ROW, 0, (), (), 0) if r.seq.finished else
+                SamplingRow(r.seq.request.params, row_seed(r.seq.request.seed, r.index),
                             r.seq.request.prompt_token_ids,
                             r.seq.output_token_ids + r.drafted if r.seq.request.params.has_penalties else (),
                             r.seq.num_computed_tokens - r.seq.num_prompt_tokens - r.ahead) for r in batch_rows]

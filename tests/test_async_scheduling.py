@@ -157,6 +157,36 @@ def test_penalised_requests_get_their_tokens_counted(tiny_engine_model, defer):
         assert [p_id in s for s in steps] == [True, False] * 6 + [True] * 6
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, seed=4, max_tokens=12, ignore_eos=True, presence_penalty=0.5),
+    SamplingParams(temperature=0.7, seed=4, max_tokens=12, structured_outputs={"regex": "[a-z]{20}"}),
+], ids=["penalties", "structured"])
+def test_an_interrupt_while_a_sampler_waits_leaves_the_engine_usable(tiny_engine_model, params):
+    """Ctrl-C while step N is collected and step N+1's sampler waits for its tokens: ``generate``
+    aborts its requests; the next step launches the waiting sampler (the aborted rows sample
+    plainly, their tokens dropped) and the engine runs on, its next request the synchronous one's."""
+    kw = dict(block_size=4, num_blocks=64, max_model_len=128)
+    ref = LLM(tiny_engine_model, async_scheduling=False, **kw).generate(["a river and a stone"], params,
+                                                                       use_tqdm=False)
+    for at in (2, 4):
+        llm = LLM(tiny_engine_model, async_scheduling=True, **kw)
+        real, calls = llm.runner.collect, []
+
+        def collect(step):
+            calls.append(step)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+            return real(step)
+
+        llm.runner.collect = collect
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["the paged cache"], params, use_tqdm=False)
+        assert llm.core._inflight is not None and llm.core._inflight.sampler_waits  # the case at hand
+        out = llm.generate(["a river and a stone"], params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+        assert llm.stats()["num_used_blocks"] == 0
+
+
 def test_the_default_model_gives_the_same_text(smollm):
     llm = LLM(smollm, max_model_len=512, async_scheduling=False)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in (
