@@ -158,8 +158,9 @@ class SchedulerOutput:
         """A row samples whose sampler needs a token still pending from the step before (read
         right after ``schedule``): a structured output's mask follows it, penalties count it.
         Such a step's sampler is launched once that step is applied."""
-        return any(s.num_samples and s.seq.num_pending and (s.seq.matcher is not None
-                                                            or s.seq.request.params.has_penalties)
+        # schedule() counts the row's own sample as pending: one more is the step before's.
+        return any(s.num_samples and s.seq.num_pending > 1 and (s.seq.matcher is not None
+                                                                or s.seq.request.params.has_penalties)
                    for s in self.scheduled)
 
 
