@@ -120,7 +120,8 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.timers.schedule += time.perf_counter() - t0
-        # A runner that cannot wait to sample is not run ahead of a structured row's token (see step).
+        # Its sampler waits for the step before to be applied (never with a runner that cannot wait:
+        # step does not run it ahead of a structured row's token, and penalised requests sit out).
         waits = prev is not None and self.defer_sampling and out.sampler_waits
         handle = None
         if out.scheduled or out.block_ops:
@@ -131,6 +132,7 @@ class EngineCore:
         return _InFlight(out, handle, prev is not None, waits and handle is not None)
 
     def _launch_waiting_sampler(self) -> None:
+        """Launch the in-flight step's sampler, which waited for the step before to be applied."""
         self._inflight.sampler_waits = False
         self.runner.launch_sampler(self._inflight.handle)
 
@@ -150,7 +152,7 @@ class EngineCore:
         t2 = time.perf_counter()
         out = self.last = cur.out
         changed = self.scheduler.update_from_output(out, result)
-        if self._inflight is not None and self._inflight.sampler_waits:  # the grammars have taken cur's tokens
+        if self._inflight is not None and self._inflight.sampler_waits:  # cur's tokens are applied
             self._launch_waiting_sampler()
         # A step scheduled ahead may be empty: every running request waited for its tokens.
         if not cur.ahead and self.scheduler.has_unfinished() and not out.scheduled and not out.finished:
