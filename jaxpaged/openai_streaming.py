@@ -157,6 +157,8 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
                 if update.tool_calls:
                     delta["tool_calls"] = update.tool_calls
                 reason = s.finish_reason(reason)
+                if not delta and reason is None and not body.logprobs:  # text the calls hold back (vLLM sends none)
+                    continue
             yield chunk(rid, model, "chat", [{
                 "index": c.index, "delta": delta,
                 "logprobs": chat_logprobs(c, body.top_logprobs or 0, first) if body.logprobs else None,

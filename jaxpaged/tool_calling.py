@@ -7,7 +7,8 @@
   pile up until ``max_tokens``) to the function's ``parameters`` schema and is that call's
   ``arguments``;
 - ``"required"``: the reply is constrained to a JSON array of ``{"name", "parameters"}``
-  objects, one per call, each a listed tool's (``parallel_tool_calls=false``: one at most);
+  objects, one per call, each a listed tool's (``parallel_tool_calls=false``: one at most); a
+  call's arguments are its ``parameters`` as written, streamed as they come;
 - ``"auto"`` (the default when ``tools`` are given): the reply is free and a *tool parser*
   for the model's own format (``--tool-call-parser``) finds the calls in it: ``hermes``
   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Hermes, Qwen, SmolLM3) or
@@ -158,21 +159,21 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-class _JsonObjects:
-    """Complete JSON objects at ``depth`` brackets deep (0: top level, 1: an array's items) in
-    text that arrives in pieces; what lies between them is skipped."""
+class _JsonScanner:
+    """JSON text read as it arrives (``feed``), a character at a time: strings skipped (escapes
+    included), brackets counted in ``level``. What a subclass wants of the structure it takes in
+    ``_string`` (a string's span, at ``level``), ``_open`` (a bracket, before ``level`` rises),
+    ``_close`` (after it falls) and ``_other`` (any other character outside strings)."""
 
-    def __init__(self, depth: int):
-        self.depth = depth
+    def __init__(self):
         self.buf = ""
         self.pos = 0
         self.level = 0
         self.in_string = self.escaped = False
-        self.start: int | None = None
+        self.string_start = 0
 
-    def feed(self, piece: str) -> list[str]:
+    def feed(self, piece: str) -> None:
         self.buf += piece
-        found = []
         for i in range(self.pos, len(self.buf)):
             ch = self.buf[i]
             if self.in_string:
@@ -182,19 +183,106 @@ class _JsonObjects:
                     self.escaped = True
                 elif ch == '"':
                     self.in_string = False
+                    self._string(self.string_start, i + 1)
             elif ch == '"':
-                self.in_string = True
+                self.in_string, self.string_start = True, i
             elif ch in "{[":
-                if ch == "{" and self.level == self.depth:
-                    self.start = i
+                self._open(i, ch)
                 self.level += 1
             elif ch in "}]":
                 self.level = max(0, self.level - 1)
-                if ch == "}" and self.level == self.depth and self.start is not None:
-                    found.append(self.buf[self.start:i + 1])
-                    self.start = None
+                self._close(i, ch)
+            else:
+                self._other(i, ch)
         self.pos = len(self.buf)
-        return found
+
+    def _string(self, start: int, end: int) -> None:
+        pass
+
+    def _open(self, i: int, ch: str) -> None:
+        pass
+
+    def _close(self, i: int, ch: str) -> None:
+        pass
+
+    def _other(self, i: int, ch: str) -> None:
+        pass
+
+
+class _JsonObjects(_JsonScanner):
+    """Complete top-level JSON objects in text that arrives in pieces; what lies between them is
+    skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.start: int | None = None
+        self.found: list[str] = []
+
+    def feed(self, piece: str) -> list[str]:
+        """The objects completed by ``piece``."""
+        self.found = []
+        super().feed(piece)
+        return self.found
+
+    def _open(self, i: int, ch: str) -> None:
+        if ch == "{" and self.level == 0:
+            self.start = i
+
+    def _close(self, i: int, ch: str) -> None:
+        if ch == "}" and self.level == 0 and self.start is not None:
+            self.found.append(self.buf[self.start:i + 1])
+            self.start = None
+
+
+class _ArrayCalls(_JsonScanner):
+    """The calls of a ``required`` reply, ``[{"name": ..., "parameters": {...}}, ...]``, read as
+    its text arrives: ``feed`` returns every call found so far as ``[name, start, end]``, the
+    span of its ``parameters`` object in the text (``end`` None while the object is open). A
+    call counts from its ``parameters`` object's first bracket once its name is read (the
+    constraint writes the name first); an item without both is no call."""
+
+    ITEM = 2  # the level inside an item's braces
+
+    def __init__(self):
+        super().__init__()
+        self.expect_key = True  # inside an item: the next string is a key
+        self.key: str | None = None
+        self.name: str | None = None
+        self.open_call: list | None = None  # the item's call while its parameters are read
+        self.calls: list[list] = []
+
+    def feed(self, piece: str) -> list[list]:
+        super().feed(piece)
+        return self.calls
+
+    def _string(self, start: int, end: int) -> None:
+        if self.level != self.ITEM:
+            return
+        try:
+            value = json.loads(self.buf[start:end])
+        except ValueError:  # not JSON's string (the constraint writes none such)
+            value = None
+        if self.expect_key:
+            self.key = value
+        elif self.key == "name":
+            self.name = value
+
+    def _other(self, i: int, ch: str) -> None:
+        if self.level == self.ITEM and ch in ":,":
+            self.expect_key = ch == ","
+
+    def _open(self, i: int, ch: str) -> None:
+        if self.level == self.ITEM - 1 and ch == "{":  # an item
+            self.expect_key, self.key, self.name = True, None, None
+        elif (self.level == self.ITEM and ch == "{" and not self.expect_key and self.key == "parameters"
+              and self.name is not None):
+            self.open_call = [self.name, i, None]
+            self.calls.append(self.open_call)
+
+    def _close(self, i: int, ch: str) -> None:
+        if self.level == self.ITEM and self.open_call is not None:
+            self.open_call[2] = i + 1
+            self.open_call = None
 
 
 def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
@@ -223,7 +311,8 @@ class ToolCallStream:
     """A reply's text, fed as it grows (``feed(piece, finished)``), as content and tool calls.
 
     ``named`` (a function's name): the text is that call's arguments, streamed as they come.
-    ``required``: the calls of the constrained JSON array, each sent once complete.
+    ``required``: the calls of the constrained JSON array, each sent once its name is read, its
+    arguments (its ``parameters`` as written) as they come; a call cut short keeps what came.
     ``"hermes"``: each ``<tool_call>`` block that holds ``{"name", "arguments"}`` a call, sent
     once complete, and the text around them (broken blocks included) content, less the
     whitespace before each call and at the end. ``"llama3_json"``: a reply that is calls and
@@ -240,7 +329,7 @@ class ToolCallStream:
         self.held_space = ""  # whitespace-only content held back
         self.in_call = False  # hermes: inside <tool_call>
         self.llama_mode: str | None = None  # llama3_json: None (calls, or undecided) or "content"
-        self.objects = _JsonObjects(1 if mode == "required" else 0)
+        self.array = _ArrayCalls()  # required
         self.raw = ""  # required / llama3_json: all text, for when no call is found
         self.finished = False
 
@@ -300,8 +389,14 @@ class ToolCallStream:
         content. A reply with no call is content."""
         self.raw += piece
         if self.mode == "required":
-            for text in self.objects.feed(piece):
-                self._add_call(_call(text, ("parameters",)), u)
+            found = self.array.feed(piece)
+            for k, (name, start, end) in enumerate(found[:self.max_calls]):
+                args = self.array.buf[start:end]  # (end None: all there is)
+                if k == len(self.calls):
+                    self._add_call(ToolCall(name, args), u)
+                elif len(args) > len(self.calls[k].arguments):
+                    u.tool_calls.append({"index": k, "function": {"arguments": args[len(self.calls[k].arguments):]}})
+                    self.calls[k].arguments = args
         else:
             tag, head = "<|python_tag|>", self.raw.lstrip()
             if self.llama_mode is None and head and not (head.startswith(("{", tag)) or tag.startswith(head)):
@@ -345,7 +440,7 @@ def _llama_calls(text: str) -> list[ToolCall] | None:
     """Calls ``{"name", "parameters" | "arguments"}`` separated by ``;``, or None if ``text`` is
     anything else (then the reply is content, as vLLM's parser has it)."""
     calls, rest = [], text
-    for obj in _JsonObjects(0).feed(text):
+    for obj in _JsonObjects().feed(text):
         gap, rest = rest.split(obj, 1)
         call = _call(obj, ("parameters", "arguments"))
         if call is None or gap.strip() != (";" if calls else ""):

@@ -180,19 +180,34 @@ def test_llama3_json_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(repl
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(NAMES, ARGS), max_size=3), st.sampled_from(["", " ", "\n  "]), st.integers(0, 40),
-       st.lists(st.integers(0, 200), max_size=8))
-def test_required_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(calls, space, cut_at, cuts):
-    items = [json.dumps({"name": n, "parameters": a}) for n, a in calls]
+@given(st.lists(st.tuples(NAMES, ARGS), max_size=3), st.sampled_from(["", " ", "\n  "]), st.booleans(),
+       st.integers(0, 40), st.lists(st.integers(0, 200), max_size=8))
+def test_required_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(calls, space, compact, cut_at, cuts):
+    seps = (",", ":") if compact else (", ", ": ")  # the constraint writes compact JSON; any JSON is read
+    heads = [json.dumps({"name": n, "parameters": None}, separators=seps)[:-len("null}")] for n, _ in calls]
+    args = [json.dumps(a, separators=seps) for _, a in calls]
+    items = [h + a + "}" for h, a in zip(heads, args)]
     text = f"[{space}" + f",{space}".join(items) + f"{space}]"
-    expected = [{"name": n, "arguments": json.dumps(a)} for n, a in calls]
+    expected = [{"name": n, "arguments": a} for (n, _), a in zip(calls, args)]  # the parameters as written
     whole = run("required", [text])[:2]
     assert run("required", pieces_of(text, cuts))[:2] == whole == ("" if calls else text, expected)
-    cut = text[:len(text) - cut_at]  # a reply cut short (max_tokens): the complete calls, or the text
-    ends = [len(f"[{space}") + sum(len(i) + 1 + len(space) for i in items[:k]) + len(items[k])
-            for k in range(len(items))]
-    complete = [c for c, end in zip(expected, ends) if end <= len(cut)]
-    assert run("required", pieces_of(cut, cuts))[:2] == ("" if complete else cut, complete)
+    # A reply cut short (max_tokens): each call whose arguments began, with what came of them.
+    cut = text[:len(text) - cut_at]
+    starts = [len(f"[{space}") + sum(len(i) + 1 + len(space) for i in items[:k]) + len(heads[k])
+              for k in range(len(items))]
+    begun = [{**c, "arguments": c["arguments"][:len(cut) - start]} for c, start in zip(expected, starts)
+             if start < len(cut)]
+    assert run("required", pieces_of(cut, cuts))[:2] == ("" if begun else cut, begun)
+
+
+def test_required_arguments_stream_as_they_come():
+    content, calls, _ = run("required", ['[{"name":"add","param', 'eters":{"a"', ':1,"b":3}}', ',{"name":"f",',
+                                         '"parameters":{}}]'])
+    assert (content, calls) == ("", [{"name": "add", "arguments": '{"a":1,"b":3}'}, {"name": "f", "arguments": "{}"}])
+    s = ToolCallStream("required")
+    deltas = [s.feed(piece, False).tool_calls for piece in ['[{"name":"add","parameters":{"a"', ':1', ',"b":3}}]']]
+    assert [[d["function"]["arguments"] for d in ds] for ds in deltas] == [['{"a"'], [":1"], [',"b":3}']]
+    assert deltas[0][0]["function"]["name"] == "add"
 
 
 def test_named_arguments_stream_as_they_come_and_one_call_at_most():
@@ -230,6 +245,7 @@ def streamed(client, **kw) -> tuple[str | None, list[dict], str]:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
+        assert delta.role or delta.content or delta.tool_calls or chunk.choices[0].finish_reason, chunk  # no empty ones
         if delta.content:
             content = (content or "") + delta.content
         for d in delta.tool_calls or []:
