@@ -166,3 +166,41 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
 
     final = (lambda outs: chunk(rid, model, "chat", [], usage(outs))) if body.include_usage else None
     return _events(engine, [stream], make_chunks, final)
+
+
+async def response_events(engine, stream: RequestStream, rid: str, created: int, model: str, body,
+                          stop: list[str], tool_calls: dict | None, done) -> AsyncIterator[str]:
+    """The Responses API's events for one reply (``body``: the ``ResponsesRequest``); ``done(response)``
+    is called with the finished response before its last event (to store it)."""
+    from jaxpaged.openai_responses import OutputItems, final_status, plain, reply_stream, response_body, sse_event
+
+    seq = iter(range(1 << 62))
+    deltas, items, calls = _Deltas(stop), OutputItems(), reply_stream(tool_calls)
+    try:
+        started = response_body(rid, created, model, body, status="in_progress", output=[])
+        yield sse_event({"type": "response.created", "response": started}, next(seq))
+        yield sse_event({"type": "response.in_progress", "response": started}, next(seq))
+        async for out in stream:
+            c = out.outputs[0]
+            finished = c.finish_reason is not None
+            d = deltas.next(0, c.text, len(c.token_ids), finished)
+            if d is None:
+                continue
+            update = plain(d[0]) if calls is None else calls.feed(d[0], finished)
+            for event in items.feed(update):
+                yield sse_event(event, next(seq))
+            if finished:
+                status = final_status(out)
+                for event in items.finish(status):
+                    yield sse_event(event, next(seq))
+                final = response_body(rid, created, model, body, status=status, output=items.items, out=out)
+                done(final)
+                yield sse_event({"type": f"response.{status}", "response": final}, next(seq))
+                return
+        yield sse_event({"type": "error", "code": "aborted", "message": "the request was aborted", "param": None},
+                        next(seq))
+    except EngineDeadError as e:
+        yield sse_event({"type": "error", "code": "engine_dead", "message": str(e), "param": None}, next(seq))
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import socket
@@ -32,7 +33,10 @@ from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedErr
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, chat_response, completion_response, invalid)
-from jaxpaged.openai_streaming import chat_events, completion_events
+from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, ResponseStore, as_responses_error,
+                                      conversation_after, final_status, new_response_id, now, plain, reply_stream,
+                                      response_body)
+from jaxpaged.openai_streaming import chat_events, completion_events, response_events
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.server_metrics import Metrics
 from jaxpaged.tool_calling import TOOL_PARSERS, check_tools
@@ -45,16 +49,18 @@ log = logging.getLogger("jaxpaged.serve")
 
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
-              tool_call_parser: str | None = None):
+              tool_call_parser: str | None = None, responses_store_size: int = 1024):
     """The FastAPI app serving ``engine`` under the name ``served_model_name``; with
     ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``. With
     ``tool_call_parser`` (one of :data:`~jaxpaged.tool_calling.TOOL_PARSERS`), chat requests may
     let the model call tools on its own (``tool_choice`` ``"auto"``); named and required tool
-    choices need no parser."""
+    choices need no parser. ``/v1/responses`` keeps the ``responses_store_size`` most recent
+    stored responses (see :mod:`jaxpaged.openai_responses`)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     metrics = Metrics(engine)
     engine.stat_loggers.append(metrics.record)
+    responses_store = ResponseStore(responses_store_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -123,20 +129,21 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         tok = engine.tokenizer
         return tok.decode(token_ids) if tok is not None else ""
 
-    def fits(req) -> None:
+    def fits(req, param: str = "max_tokens") -> None:
         """vLLM's rule: a ``max_tokens`` asked for must fit beside the prompt (the offline
         engine stops at ``max_model_len`` instead)."""
         n, asked, limit = len(req.prompt_token_ids), req.params.max_tokens, engine.max_model_len
         if asked is not None and n + asked > limit:
-            raise APIError(400, f"max_tokens is too large: {asked}. This model's maximum context length is {limit} "
+            raise APIError(400, f"{param} is too large: {asked}. This model's maximum context length is {limit} "
                            f"tokens and the request has {n} input tokens ({asked} > {limit} - {n})",
-                           param="max_tokens", code="invalid_value")
+                           param=param, code="invalid_value")
 
-    async def add(prompts: list, params, request_id: str, body) -> list[RequestStream]:
+    async def add(prompts: list, params, request_id: str, body, *,
+                  max_tokens_param: str = "max_tokens") -> list[RequestStream]:
         """Queue every prompt, or none (``body``: the request, for the errors' ``param``)."""
         try:
             return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
-                                             check=fits)
+                                             check=functools.partial(fits, param=max_tokens_param))
         except (ValueError, TypeError) as e:
             raise invalid(e, body) from None
         except EngineOverloadedError as e:
@@ -198,6 +205,63 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         streams = await add([{"prompt_token_ids": ids}], params, rid, body)
         events = chat_events(engine, rid, model, streams[0], body, params.stop, tool_calls) if body.stream else None
         return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body, tool_calls))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request):
+        check_model(body.model)
+        previous = []
+        if body.previous_response_id is not None:
+            stored = responses_store.get(body.previous_response_id)
+            if stored is None:
+                raise APIError(400, f"previous response with id {body.previous_response_id!r} not found (the "
+                               f"server keeps the {responses_store.max_size} most recent stored responses)",
+                               param="previous_response_id", code="previous_response_not_found")
+            previous = stored[1]
+        try:
+            chat = body.chat_request(previous)
+            params = checked_params(chat)
+            tool_calls = chat.tool_calls(tool_call_parser)
+            ids = await chat_token_ids(chat.conversation(), True, chat.tools)
+            rid, created = new_response_id(), now()
+            streams = await add([{"prompt_token_ids": ids}], params, rid, chat, max_tokens_param="max_output_tokens")
+        except APIError as e:
+            raise as_responses_error(e) from None
+        messages = chat.conversation()[1 if body.instructions is not None else 0:]
+
+        def done(response: dict) -> None:
+            if body.store:
+                responses_store.put(response, conversation_after(messages, response["output"]))
+
+        if body.stream:
+            return _EngineStream(response_events(engine, streams[0], rid, created, served_model_name, body,
+                                                 params.stop, tool_calls, done), engine, streams)
+
+        def finish(outs: list[RequestOutput]) -> dict:
+            out, items, calls = outs[0], OutputItems(), reply_stream(tool_calls)
+            items.feed(plain(out.outputs[0].text) if calls is None else calls.feed(out.outputs[0].text, True))
+            status = final_status(out)
+            items.finish(status)
+            response = response_body(rid, created, served_model_name, body, status=status, output=items.items,
+                                     out=out)
+            done(response)
+            return response
+
+        return await respond(raw, streams, None, finish)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        stored = responses_store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response with id {response_id!r}", param="response_id",
+                           code="not_found")
+        return stored[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if not responses_store.delete(response_id):
+            raise APIError(404, f"no stored response with id {response_id!r}", param="response_id",
+                           code="not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -308,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes")
     p.add_argument("--max-waiting-requests", type=int,
                    help="most requests queued and not yet running; beyond, requests get 503 (default: no limit)")
+    p.add_argument("--responses-store-size", type=int, default=1024,
+                   help="most recent /v1/responses responses kept for GET and previous_response_id (default 1024; "
+                        "0 keeps none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let chat requests leave tool calls to the model (tool_choice "auto"); needs --tool-call-parser')
@@ -337,7 +404,8 @@ def run(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, **engine_kwargs(args))
     engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser)
+    app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser,
+                    responses_store_size=args.responses_store_size)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -301,10 +301,21 @@ def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
 
 @dataclass
 class Update:
-    """What a reply gained: content text and tool-call deltas (OpenAI's ``delta.tool_calls`` items)."""
+    """What a reply gained: content text and tool-call deltas (OpenAI's ``delta.tool_calls`` items),
+    and both in ``parts`` in the order the text has them (a str a piece of content)."""
 
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    parts: list[str | dict] = field(default_factory=list)
+
+    def add_content(self, text: str) -> None:
+        if text:
+            self.content += text
+            self.parts.append(text)
+
+    def add_call(self, delta: dict) -> None:
+        self.tool_calls.append(delta)
+        self.parts.append(delta)
 
 
 class ToolCallStream:
@@ -347,9 +358,9 @@ class ToolCallStream:
         if self.mode == "named":
             if not self.calls:
                 self.calls.append(ToolCall(self.name, ""))
-                u.tool_calls.append({**self._delta(0), "function": {"name": self.name, "arguments": piece}})
+                u.add_call({**self._delta(0), "function": {"name": self.name, "arguments": piece}})
             elif piece:
-                u.tool_calls.append({"index": 0, "function": {"arguments": piece}})
+                u.add_call({"index": 0, "function": {"arguments": piece}})
             self.calls[0].arguments += piece
             return u
         if self.mode == "hermes":
@@ -358,7 +369,7 @@ class ToolCallStream:
             self._json_calls(piece, u)
         if finished:
             if not self.calls:  # whitespace that led nowhere is the reply's own
-                u.content += self.held_space
+                u.add_content(self.held_space)
             self.held_space = ""
         return u
 
@@ -371,7 +382,7 @@ class ToolCallStream:
         if self.max_calls is None or len(self.calls) < self.max_calls:
             self.calls.append(call)
             i = len(self.calls) - 1
-            u.tool_calls.append({**self._delta(i), "function": {"name": call.name, "arguments": call.arguments}})
+            u.add_call({**self._delta(i), "function": {"name": call.name, "arguments": call.arguments}})
         self.held_space = ""  # whitespace before a call is not content
         return True
 
@@ -380,7 +391,7 @@ class ToolCallStream:
         call drops it), so where the pieces break does not matter."""
         text = self.held_space + text
         k = len(text.rstrip())
-        u.content += text[:k]
+        u.add_content(text[:k])
         self.held_space = text[k:]
 
     def _json_calls(self, piece: str, u: Update) -> None:
@@ -395,7 +406,7 @@ class ToolCallStream:
                 if k == len(self.calls):
                     self._add_call(ToolCall(name, args), u)
                 elif len(args) > len(self.calls[k].arguments):
-                    u.tool_calls.append({"index": k, "function": {"arguments": args[len(self.calls[k].arguments):]}})
+                    u.add_call({"index": k, "function": {"arguments": args[len(self.calls[k].arguments):]}})
                     self.calls[k].arguments = args
         else:
             tag, head = "<|python_tag|>", self.raw.lstrip()
@@ -408,7 +419,7 @@ class ToolCallStream:
                 for call in _llama_calls(head.removeprefix(tag)) or ():
                     self._add_call(call, u)
         if self.finished and not self.calls and self.llama_mode != "content":  # (content went out as it came)
-            u.content += self.raw
+            u.add_content(self.raw)
 
     def _hermes(self, piece: str, u: Update) -> None:
         start, end = "<tool_call>", "</tool_call>"

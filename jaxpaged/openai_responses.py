@@ -1,0 +1,387 @@
+"""OpenAI's Responses API (``POST /v1/responses``) for ``serve``, over the chat endpoint's machinery.
+No jax here.
+
+A request becomes a chat request: ``instructions`` a system message, ``input`` (a string, or
+items: messages, earlier ``function_call`` items and their ``function_call_output``) the
+messages, ``tools`` (function tools), ``tool_choice`` and ``text.format`` (a JSON schema or
+object) as the chat endpoint takes them, so named, required and parsed (``--tool-call-parser``)
+tool calls and structured outputs work as there. The reply's text becomes output items in the
+order it has them: a ``message`` item per run of text, a ``function_call`` item per call.
+Streamed, the same machine sends OpenAI's events (``response.created``, ...
+``response.output_text.delta``, ``response.function_call_arguments.delta``, ...
+``response.completed`` or ``response.incomplete``), so the last event's response is the
+unstreamed one (but for its ids).
+
+With ``store`` (OpenAI's default) a response is kept, so that ``GET /v1/responses/{id}``
+returns it and a later request's ``previous_response_id`` continues its conversation (its
+input and output, not its ``instructions``, as OpenAI has it). The store keeps the most recent
+responses only (:class:`ResponseStore`): an old id is then not found, never a leak. Not
+served: ``background``, ``truncation: "auto"``, logprobs, and tools other than functions
+(each refused with a 400 naming the field).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from jaxpaged.openai_protocol import APIError, ChatCompletionRequest
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.tool_calling import ToolCallStream, Update
+
+# A chat request's field -> the Responses request's field, for the errors' ``param``.
+_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
+           "max_completion_tokens": "max_output_tokens"}
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def as_responses_error(e: APIError) -> APIError:
+    """A chat request's error in the Responses request's terms (its fields' names)."""
+    param = _PARAMS.get(e.param, e.param)
+    message = e.message.replace("].function.", "].")  # tools[i].function.name -> tools[i].name
+    for chat, ours in _PARAMS.items():
+        if message.startswith(chat + " ") or message.startswith(chat + ":"):
+            message = ours + message[len(chat):]
+    return APIError(e.status, message, type=e.type, param=param, code=e.code)
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: OpenAI's fields, and vLLM's sampling extras."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    background: bool = False
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    # vLLM's extras
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+
+    def check(self) -> None:
+        """Refuse what is not served, naming the field."""
+        if self.background:
+            raise _bad("background responses are not supported", "background", "unsupported_value")
+        if self.truncation not in (None, "disabled"):
+            raise _bad(f"truncation {self.truncation!r} is not supported: only 'disabled' (a conversation "
+                       "longer than the model's context is refused)", "truncation", "unsupported_value")
+        if self.top_logprobs or any("logprobs" in x for x in self.include or ()):
+            param = "top_logprobs" if self.top_logprobs else "include"
+            raise _bad("logprobs are not supported by /v1/responses; use /v1/chat/completions", param,
+                       "unsupported_value")
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """``input`` as chat messages."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise _bad("input is empty", "input")
+        messages: list[dict[str, Any]] = []
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message" if "role" in item else None)
+            where = f"input[{i}]"
+            if kind == "message":
+                messages.append(_message(item, where))
+            elif kind == "function_call":
+                call = {"id": _string(item, "call_id", where), "type": "function",
+                        "function": {"name": _string(item, "name", where),
+                                     "arguments": _string(item, "arguments", where)}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                                 "content": _string(item, "output", where)})
+            else:
+                raise _bad(f"{where}.type {kind!r} is not supported: input items are messages, function_call "
+                           "and function_call_output", f"{where}.type", "unsupported_value")
+        return messages
+
+    def chat_tools(self) -> list[dict] | None:
+        if self.tools is None:
+            return None
+        tools = []
+        for i, t in enumerate(self.tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else t
+                raise _bad(f"tools[{i}] of type {kind!r:.100} is not supported: only function tools "
+                           "({'type': 'function', 'name': ..., 'parameters': ...})", f"tools[{i}]",
+                           "unsupported_value")
+            tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                            if k in t}})
+        return tools
+
+    def chat_tool_choice(self) -> Any:
+        c = self.tool_choice
+        if isinstance(c, dict):
+            if c.get("type") != "function" or not isinstance(c.get("name"), str):
+                raise _bad(f"tool_choice {c!r:.200} is not supported: give 'auto', 'none', 'required' or "
+                           "{'type': 'function', 'name': ...}", "tool_choice", "unsupported_value")
+            return {"type": "function", "function": {"name": c["name"]}}
+        return c
+
+    def response_format(self) -> dict | None:
+        fmt = (self.text or {}).get("format")
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_schema":
+            return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict")
+                                                           if k in fmt}}
+        if kind in ("text", "json_object"):
+            return {"type": kind}
+        raise _bad(f"text.format {fmt!r:.200} is not supported: its type must be 'text', 'json_object' or "
+                   "'json_schema'", "text.format")
+
+    def chat_request(self, previous: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request this one amounts to, after the ``previous`` response's conversation."""
+        self.check()
+        system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        fields = {
+            "messages": system + copy.deepcopy(previous) + self.input_messages(),
+            "max_completion_tokens": self.max_output_tokens, "tools": self.chat_tools(),
+            "tool_choice": self.chat_tool_choice(), "parallel_tool_calls": self.parallel_tool_calls,
+            "response_format": self.response_format(), "user": self.user,
+            **{k: getattr(self, k) for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
+                                             "stop", "ignore_eos", "cache_salt")},
+        }
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as e:  # an input item's content of the wrong type
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise _bad(f"{where}: {err['msg']}", "input") from None
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise _bad(f"{where}.{key} must be a string, got {value!r:.100}", f"{where}.{key}")
+    return value
+
+
+def _message(item: dict, where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise _bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer', got {role!r:.100}",
+                   f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content[{k}] must be a text part ({{'type': 'input_text', 'text': ...}}); "
+                           f"got type {kind!r:.100}", f"{where}.content", "unsupported_value")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise _bad(f"{where}.content must be a string or a list of text parts, got {content!r:.100}",
+                   f"{where}.content")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+class OutputItems:
+    """A response's output items as its reply grows, and the stream's events for them.
+
+    ``feed`` takes a :class:`~jaxpaged.tool_calling.Update` (its ``parts`` in the reply's order):
+    a run of content is a ``message`` item, each call a ``function_call`` item; an item is done
+    when the next begins or at ``finish``. Each returns the events it makes (without their
+    ``sequence_number``)."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the item the reply is writing
+        self.by_call: dict[int, dict] = {}  # a tool call's index -> its item
+
+    def feed(self, update: Update) -> list[dict]:
+        events: list[dict] = []
+        for part in update.parts:
+            if isinstance(part, str):
+                if self.open is None or self.open["type"] != "message":
+                    self._begin({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
+                                 "role": "assistant", "content": []}, events)
+                    events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
+                                   "part": _text_part("")})
+                    self.open["content"].append(_text_part(""))
+                self.open["content"][0]["text"] += part
+                events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0,
+                               "delta": part, "logprobs": []})
+            elif part["index"] not in self.by_call:
+                fn = part["function"]
+                self._begin({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                             "call_id": part["id"], "name": fn["name"], "arguments": ""}, events)
+                self.by_call[part["index"]] = self.open
+                self._arguments(fn["arguments"], events)
+            else:
+                self._arguments(part["function"]["arguments"], events)
+        return events
+
+    def finish(self, status: str) -> list[dict]:
+        """Close the last item; every item's status becomes ``status`` (``completed`` or ``incomplete``)."""
+        events = self._end(status)
+        for item in self.items:
+            item["status"] = status
+        return events
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+
+    def _begin(self, item: dict, events: list[dict]) -> None:
+        events += self._end("completed")
+        self.items.append(item)
+        self.open = item
+        events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                       "item": copy.deepcopy(item)})
+
+    def _arguments(self, piece: str, events: list[dict]) -> None:
+        if piece:
+            self.open["arguments"] += piece
+            events.append({"type": "response.function_call_arguments.delta", **self._where(), "delta": piece})
+
+    def _end(self, status: str) -> list[dict]:
+        item, events = self.open, []
+        if item is None:
+            return events
+        if item["type"] == "message":
+            part = item["content"][0]
+            events += [{"type": "response.output_text.done", **self._where(), "content_index": 0,
+                        "text": part["text"], "logprobs": []},
+                       {"type": "response.content_part.done", **self._where(), "content_index": 0,
+                        "part": copy.deepcopy(part)}]
+        else:
+            events.append({"type": "response.function_call_arguments.done", **self._where(),
+                           "name": item["name"], "arguments": item["arguments"]})
+        item["status"] = status
+        events.append({"type": "response.output_item.done", "output_index": len(self.items) - 1,
+                       "item": copy.deepcopy(item)})
+        self.open = None
+        return events
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def plain(text: str) -> Update:
+    """A reply without tools: all content."""
+    u = Update()
+    u.add_content(text)
+    return u
+
+
+def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, status: str,
+                  output: list[dict], out: RequestOutput | None = None) -> dict:
+    """The response object (``status``: ``in_progress``, ``completed`` or ``incomplete``)."""
+    usage = None
+    if out is not None:
+        n_in, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+        usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                 "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": n_in + n_out}
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
+        "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
+        "tool_choice": "auto" if req.tool_choice is None else req.tool_choice, "tools": req.tools or [],
+        "text": req.text if req.text is not None else {"format": {"type": "text"}}, "store": req.store,
+        "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user, "background": False,
+        "usage": usage,
+    }
+
+
+def final_status(out: RequestOutput) -> str:
+    return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+
+
+def conversation_after(messages: list[dict[str, Any]], output: list[dict]) -> list[dict[str, Any]]:
+    """``messages`` (without the system message of ``instructions``) and the reply's ``output``
+    as chat messages: what a later request's ``previous_response_id`` continues."""
+    text = "".join(item["content"][0]["text"] for item in output if item["type"] == "message")
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                      "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    reply: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        reply["tool_calls"] = calls
+    return [*messages, reply]
+
+
+class ResponseStore:
+    """The ``max_size`` most recently stored responses and their conversations (``max_size`` 0:
+    none is kept). Shared by the event loop and nothing else, but locked all the same."""
+
+    def __init__(self, max_size: int = 1024):
+        self.max_size = max_size
+        self._entries: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, body: dict, conversation: list[dict[str, Any]]) -> None:
+        if self.max_size <= 0:
+            return
+        with self._lock:
+            self._entries[body["id"]] = (body, conversation)
+            while len(self._entries) > self.max_size:
+                self._entries.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[dict, list[dict[str, Any]]] | None:
+        with self._lock:
+            return self._entries.get(rid)
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            return self._entries.pop(rid, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse_event(event: dict, sequence_number: int) -> str:
+    event = {**event, "sequence_number": sequence_number}
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def reply_stream(tool_calls: dict | None) -> ToolCallStream | None:
+    return None if tool_calls is None else ToolCallStream(**tool_calls)
