@@ -50,6 +50,19 @@ def check_unicode(text: str, what: str) -> None:
         raise ValueError(f"{what} is not valid Unicode: {e.reason} at position {e.start}") from None
 
 
+def check_strings(value: Any, where: str) -> None:
+    """:func:`check_unicode` on every string (keys too) in JSON-like ``value``, named by their path."""
+    if isinstance(value, str):
+        check_unicode(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_strings(k, where)
+            check_strings(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for k, v in enumerate(value):
+            check_strings(v, f"{where}[{k}]")
+
+
 def encode(tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
     """``text``'s token ids, after :func:`check_unicode`."""
     check_unicode(text, "prompt")

@@ -32,13 +32,19 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from jaxpaged.input_processor import check_strings
 from jaxpaged.openai_protocol import APIError, ChatCompletionRequest
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.tool_calling import ToolCallStream, Update
 
 # A chat request's field -> the Responses request's field, for the errors' ``param``.
-_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
+_PARAMS = {"messages": "input", "prompt": "input", "response_format": "text.format",
+           "structured_outputs.json": "text.format.schema", "max_tokens": "max_output_tokens",
            "max_completion_tokens": "max_output_tokens"}
+# The fields whose strings are checked up front (a lone surrogate, which JSON can carry, would
+# fail only when the response echoing them is written).
+_STRING_FIELDS = ("input", "instructions", "tools", "tool_choice", "text", "metadata", "user", "stop", "cache_salt",
+                  "previous_response_id")
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
@@ -49,9 +55,10 @@ def as_responses_error(e: APIError) -> APIError:
     """A chat request's error in the Responses request's terms (its fields' names)."""
     param = _PARAMS.get(e.param, e.param)
     message = e.message.replace("].function.", "].")  # tools[i].function.name -> tools[i].name
-    for chat, ours in _PARAMS.items():
+    for chat, ours in sorted(_PARAMS.items(), key=lambda kv: -len(kv[0])):
         if message.startswith(chat + " ") or message.startswith(chat + ":"):
             message = ours + message[len(chat):]
+            break
     return APIError(e.status, message, type=e.type, param=param, code=e.code)
 
 
@@ -89,7 +96,12 @@ class ResponsesRequest(BaseModel):
     cache_salt: str | None = None
 
     def check(self) -> None:
-        """Refuse what is not served, naming the field."""
+        """Refuse what is not served, and strings that are not Unicode, naming the field."""
+        for name in _STRING_FIELDS:
+            try:
+                check_strings(getattr(self, name), name)
+            except ValueError as e:
+                raise _bad(str(e), str(e).split(" ", 1)[0]) from None
         if self.background:
             raise _bad("background responses are not supported", "background", "unsupported_value")
         if self.truncation not in (None, "disabled"):
@@ -100,34 +112,13 @@ class ResponsesRequest(BaseModel):
             raise _bad("logprobs are not supported by /v1/responses; use /v1/chat/completions", param,
                        "unsupported_value")
 
-    def input_messages(self) -> list[dict[str, Any]]:
-        """``input`` as chat messages."""
+    def input_messages(self, known_calls: set[str] = frozenset()) -> list[dict[str, Any]]:
+        """``input`` as chat messages; ``known_calls``: the ids of the calls made before it."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         if not self.input:
             raise _bad("input is empty", "input")
-        messages: list[dict[str, Any]] = []
-        for i, item in enumerate(self.input):
-            kind = item.get("type", "message" if "role" in item else None)
-            where = f"input[{i}]"
-            if kind == "message":
-                messages.append(_message(item, where))
-            elif kind == "function_call":
-                call = {"id": _string(item, "call_id", where), "type": "function",
-                        "function": {"name": _string(item, "name", where),
-                                     "arguments": _string(item, "arguments", where)}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
-                else:
-                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            elif kind == "function_call_output":
-                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                                 "content": _string(item, "output", where)})
-            else:
-                raise _bad(f"{where}.type {kind!r} is not supported: input items are messages, function_call "
-                           "and function_call_output", f"{where}.type", "unsupported_value")
-        return messages
+        return items_to_messages(self.input, "input", set(known_calls))
 
     def chat_tools(self) -> list[dict] | None:
         if self.tools is None:
@@ -145,12 +136,12 @@ class ResponsesRequest(BaseModel):
 
     def chat_tool_choice(self) -> Any:
         c = self.tool_choice
-        if isinstance(c, dict):
-            if c.get("type") != "function" or not isinstance(c.get("name"), str):
-                raise _bad(f"tool_choice {c!r:.200} is not supported: give 'auto', 'none', 'required' or "
-                           "{'type': 'function', 'name': ...}", "tool_choice", "unsupported_value")
-            return {"type": "function", "function": {"name": c["name"]}}
-        return c
+        if c is None or c in ("auto", "none", "required"):
+            return c
+        if not isinstance(c, dict) or c.get("type") != "function" or not isinstance(c.get("name"), str):
+            raise _bad(f"tool_choice {c!r:.200} is not supported: give 'auto', 'none', 'required' or "
+                       "{'type': 'function', 'name': ...}", "tool_choice", "unsupported_value")
+        return {"type": "function", "function": {"name": c["name"]}}
 
     def response_format(self) -> dict | None:
         fmt = (self.text or {}).get("format")
@@ -158,6 +149,10 @@ class ResponsesRequest(BaseModel):
             return None
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_schema":
+            for key, kind_of, what in (("name", str, "a string"), ("schema", dict, "a JSON schema object")):
+                if not isinstance(fmt.get(key), kind_of):
+                    raise _bad(f"text.format of type 'json_schema' needs {key}, {what}; got {fmt.get(key)!r:.100}",
+                               f"text.format.{key}")
             return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict")
                                                            if k in fmt}}
         if kind in ("text", "json_object"):
@@ -169,8 +164,9 @@ class ResponsesRequest(BaseModel):
         """The chat request this one amounts to, after the ``previous`` response's conversation."""
         self.check()
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        known_calls = {c["id"] for m in previous for c in m.get("tool_calls") or ()}
         fields = {
-            "messages": system + copy.deepcopy(previous) + self.input_messages(),
+            "messages": system + copy.deepcopy(previous) + self.input_messages(known_calls),
             "max_completion_tokens": self.max_output_tokens, "tools": self.chat_tools(),
             "tool_choice": self.chat_tool_choice(), "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": self.response_format(), "user": self.user,
@@ -183,6 +179,46 @@ class ResponsesRequest(BaseModel):
             err = e.errors()[0]
             where = ".".join(str(x) for x in err["loc"])
             raise _bad(f"{where}: {err['msg']}", "input") from None
+
+
+def items_to_messages(items: list[dict], what: str, known_calls: set[str]) -> list[dict[str, Any]]:
+    """Input items (``what[i]``) as chat messages: each message item one (``developer`` a system
+    message), a ``function_call`` joined to the assistant turn just before it (else a turn of its
+    own), a ``function_call_output`` a tool message, which must answer a call made before it
+    (``known_calls``, which this extends)."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message" if "role" in item else None)
+        where = f"{what}[{i}]"
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call_id, arguments = _string(item, "call_id", where), _string(item, "arguments", where)
+            try:
+                ok = isinstance(json.loads(arguments), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise _bad(f"{where}.arguments must be a JSON object's text, got {arguments!r:.100}",
+                           f"{where}.arguments")
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": arguments}}
+            known_calls.add(call_id)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the turn's text, then its calls
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", where)
+            if call_id not in known_calls:
+                raise _bad(f"{where}.call_id {call_id!r:.100} answers no function_call of the conversation",
+                           f"{where}.call_id")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _string(item, "output", where)})
+        else:
+            raise _bad(f"{where}.type {kind!r:.100} is not supported: input items are messages, function_call "
+                       "and function_call_output", f"{where}.type", "unsupported_value")
+    return messages
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -202,10 +238,10 @@ def _message(item: dict, where: str) -> dict[str, Any]:
         texts = []
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            if kind not in ("input_text", "output_text", "text"):
                 raise _bad(f"{where}.content[{k}] must be a text part ({{'type': 'input_text', 'text': ...}}); "
                            f"got type {kind!r:.100}", f"{where}.content", "unsupported_value")
-            texts.append(part["text"])
+            texts.append(_string(part, "text", f"{where}.content[{k}]"))
         content = "".join(texts)
     elif not isinstance(content, str):
         raise _bad(f"{where}.content must be a string or a list of text parts, got {content!r:.100}",
@@ -250,11 +286,9 @@ class OutputItems:
         return events
 
     def finish(self, status: str) -> list[dict]:
-        """Close the last item; every item's status becomes ``status`` (``completed`` or ``incomplete``)."""
-        events = self._end(status)
-        for item in self.items:
-            item["status"] = status
-        return events
+        """Close the last item with ``status`` (``completed``, or ``incomplete`` when the reply was cut
+        in it); the items before it are complete."""
+        return self._end(status)
 
     def _where(self) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
@@ -308,7 +342,7 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
     usage = None
     if out is not None:
         n_in, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-        usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
                  "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": n_in + n_out}
     return {
@@ -330,15 +364,9 @@ def final_status(out: RequestOutput) -> str:
 
 def conversation_after(messages: list[dict[str, Any]], output: list[dict]) -> list[dict[str, Any]]:
     """``messages`` (without the system message of ``instructions``) and the reply's ``output``
-    as chat messages: what a later request's ``previous_response_id`` continues."""
-    text = "".join(item["content"][0]["text"] for item in output if item["type"] == "message")
-    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
-                                                                      "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]
-    reply: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        reply["tool_calls"] = calls
-    return [*messages, reply]
+    as chat messages: what a later request's ``previous_response_id`` continues, the same as a
+    client sending the output items back as input."""
+    return [*messages, *items_to_messages(output, "output", set())]
 
 
 class ResponseStore:

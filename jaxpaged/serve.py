@@ -17,6 +17,7 @@ import contextlib
 import functools
 import hmac
 import logging
+import re
 import socket
 import sys
 import uuid
@@ -43,6 +44,8 @@ from jaxpaged.tool_calling import TOOL_PARSERS, check_tools
 
 PROG = "jaxpaged-serve"
 log = logging.getLogger("jaxpaged.serve")
+
+_TYPE_IN_LOC = re.compile(r"(str|int|float|bool|none|dict|list)(\[.*\])?")
 
 
 # ---- the app --------------------------------------------------------------------------------
@@ -83,7 +86,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         if first["type"] == "json_invalid":
             return error(APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                                   code="invalid_json"))
-        loc = [str(x) for x in first["loc"] if x != "body"]
+        # A union's member shows in loc as its type ('str', 'list[str]'): not a field of the body.
+        loc = [str(x) for x in first["loc"] if x != "body" and not _TYPE_IN_LOC.fullmatch(str(x))]
         param = ".".join(loc) or None
         return error(APIError(400, f"{param or 'body'}: {first['msg']}", param=param, code="invalid_type"))
 

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpaged.input_processor import check_unicode
+from jaxpaged.input_processor import check_strings
 
 TOOL_PARSERS = ("hermes", "llama3_json")
 
@@ -44,18 +44,6 @@ class ToolChoice:
 
     kind: str
     name: str | None = None
-
-
-def _check_strings(value: Any, where: str) -> None:
-    if isinstance(value, str):
-        check_unicode(value, where)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_strings(k, where)
-            _check_strings(v, f"{where}.{k}")
-    elif isinstance(value, list):
-        for k, v in enumerate(value):
-            _check_strings(v, f"{where}[{k}]")
 
 
 def check_tools(tools: Any) -> list[dict]:
@@ -84,7 +72,7 @@ def check_tools(tools: Any) -> list[dict]:
         if params is not None and params.get("type", "object") != "object":
             raise ValueError(f"{where}.function.parameters must describe an object (type 'object'), got type "
                              f"{params['type']!r:.100}")
-        _check_strings(tool, where)
+        check_strings(tool, where)
     return tools
 
 

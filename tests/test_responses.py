@@ -6,6 +6,7 @@ stored responses and ``previous_response_id``."""
 
 import json
 
+import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -13,9 +14,9 @@ from hypothesis import strategies as st
 
 from jaxpaged import LLM
 from jaxpaged.openai_protocol import APIError
-from jaxpaged.openai_responses import OutputItems, ResponsesRequest, as_responses_error
+from jaxpaged.openai_responses import OutputItems, ResponsesRequest, as_responses_error, conversation_after
 from jaxpaged.tool_calling import ToolCallStream
-from test_server import ENGINE, KEY, MODEL, Running
+from test_server import AUTH, ENGINE, KEY, MODEL, Running
 from test_tool_calling import WEATHER, hermes_replies, pieces_of
 
 FN_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's flat form
@@ -65,6 +66,16 @@ def test_input_items_become_chat_messages():
     ({"tools": [{"type": "web_search"}]}, "tools[0]", r"^tools\[0\] of type 'web_search' is not supported"),
     ({"tools": [FN_WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice", r"^tool_choice .* not supp"),
     ({"text": {"format": {"type": "xml"}}}, "text.format", r"^text\.format .* is not supported"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", r"needs name, a string"),
+    ({"tool_choice": "sometimes"}, "tool_choice", r"^tool_choice 'sometimes' is not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text",
+     r"^input\[0\]\.content\[0\]\.text must be a string"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments",
+     r"^input\[0\]\.arguments must be a JSON object's text"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id",
+     r"^input\[0\]\.call_id 'c' answers no function_call"),
+    ({"user": "a\udfffb"}, "user", r"^user is not valid Unicode"),
+    ({"tools": [{**FN_WEATHER, "description": "\ud800"}]}, "tools[0].description", r"is not valid Unicode"),
 ])
 def test_what_is_not_served_is_refused_naming_the_field(body, param, pattern):
     with pytest.raises(APIError, match=pattern) as e:
@@ -72,11 +83,41 @@ def test_what_is_not_served_is_refused_naming_the_field(body, param, pattern):
     assert (e.value.status, e.value.param) == (400, param)
 
 
+def test_a_call_answered_in_a_later_request_is_known_from_the_previous_response():
+    previous = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                                                                     "function": {"name": "f", "arguments": "{}"}}]}]
+    chat = ResponsesRequest.model_validate({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}
+                                           ).chat_request(previous)
+    assert [m["role"] for m in chat.conversation()] == ["user", "assistant", "tool"]
+
+
+def test_output_items_sent_back_are_the_conversation_previous_response_id_continues():
+    """A reply's items become the same chat turns whether a client sends them back as input or
+    continues with ``previous_response_id``: text, then the calls made after it, in one turn."""
+    output, _ = items_of("hermes", ['Let me look. <tool_call>{"name": "f", "arguments": {}}</tool_call> Then.'])
+    asked = [{"role": "user", "content": "Hi"}]
+    replayed = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "Hi"}, *output]}).chat_request([])
+    assert conversation_after(asked, output) == replayed.conversation()
+    assert [(m["role"], m["content"], len(m.get("tool_calls") or ())) for m in replayed.conversation()] == [
+        ("user", "Hi", 0), ("assistant", "Let me look.", 1), ("assistant", " Then.", 0)]
+
+
+def test_only_the_item_a_reply_was_cut_in_is_incomplete():
+    s, items = ToolCallStream("required"), OutputItems()
+    items.feed(s.feed('[{"name":"f","parameters":{}},{"name":"g","parameters":{}},{"name":"f","parameters":{"a', True))
+    items.finish("incomplete")
+    assert [(i["name"], i["status"]) for i in items.items] == [("f", "completed"), ("g", "completed"),
+                                                              ("f", "incomplete")]
+
+
 def test_chat_errors_are_told_in_the_responses_fields():
     e = as_responses_error(APIError(400, "tools[1].function.name must be a non-empty string", param="tools"))
     assert (e.message, e.param) == ("tools[1].name must be a non-empty string", "tools")
     e = as_responses_error(APIError(400, "response_format: bad schema", param="response_format"))
     assert (e.message, e.param) == ("text.format: bad schema", "text.format")
+    e = as_responses_error(APIError(400, "prompt has 9000 tokens", param="prompt"))
+    assert (e.message, e.param) == ("input has 9000 tokens", "input")
 
 
 # ---- the output items ------------------------------------------------------------------------
@@ -223,7 +264,10 @@ def test_stored_responses_continue_their_conversation_and_the_store_keeps_the_la
     (dict(input=[]), "input"),
     (dict(input="x", tools=[{"type": "function", "name": ""}], tool_choice="required"), "tools"),
     (dict(input="x", tools=[FN_WEATHER]), "tool_choice"),  # "auto" needs a parser on the server
-    (dict(input="x", text={"format": {"type": "json_schema", "name": "x"}}), "text.format"),
+    (dict(input="x", text={"format": {"type": "json_schema", "name": "x"}}), "text.format.schema"),
+    (dict(input="x", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}),
+     "text.format"),
+    (dict(input="word " * 5000), "input"),  # past max_model_len
     (dict(input="x", temperature=-1.0), "temperature"),
 ])
 def test_bad_requests_get_a_400_naming_their_field_and_leave_nothing_behind(client, srv, kw, param):
@@ -231,3 +275,15 @@ def test_bad_requests_get_a_400_naming_their_field_and_leave_nothing_behind(clie
         client.responses.create(model=MODEL, **kw)
     assert e.value.body["param"] == param, e.value.body
     assert srv.llm.bm.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": None}, "input"),  # not the union's member types ('input.str')
+    ({"input": "x", "stop": [1]}, "stop"),
+    ({"input": "x", "metadata": {"k": "\ud800"}}, "metadata.k"),  # sent escaped, as JSON can carry it
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "\udfff", "schema": {}}}}, "text.format.name"),
+])
+def test_raw_bodies_get_a_400_naming_their_field(srv, body, param):
+    r = httpx.post(srv.url + "/v1/responses", content=json.dumps({"model": MODEL, **body}),
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
