@@ -13,8 +13,9 @@ Streamed, the same machine sends OpenAI's events (``response.created``, ...
 unstreamed one (but for its ids).
 
 With ``store`` (OpenAI's default) a response is kept, so that ``GET /v1/responses/{id}``
-returns it and a later request's ``previous_response_id`` continues its conversation (its
-input and output, not its ``instructions``, as OpenAI has it). The store keeps the most recent
+returns it (and ``.../input_items`` its request's input items) and a later request's
+``previous_response_id`` continues its conversation (its input and output, not its
+``instructions``, as OpenAI has it; the same chat turns as the output items sent back as input). The store keeps the most recent
 responses only (:class:`ResponseStore`): an old id is then not found, never a leak. Not
 served: ``background``, ``truncation: "auto"``, logprobs, and tools other than functions
 (each refused with a 400 naming the field).
@@ -28,6 +29,7 @@ import json
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -119,6 +121,23 @@ class ResponsesRequest(BaseModel):
         if not self.input:
             raise _bad("input is empty", "input")
         return items_to_messages(self.input, "input", set(known_calls))
+
+    def input_items(self) -> list[dict]:
+        """``input`` as OpenAI lists it back (``GET /v1/responses/{id}/input_items``): items with ids,
+        a message's content as parts. Call after :meth:`chat_request` has checked it."""
+        given = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        items = []
+        for item in given:
+            kind = item.get("type", "message")
+            if kind == "message":
+                content = item["content"]
+                if isinstance(content, str):
+                    part = "output_text" if item["role"] == "assistant" else "input_text"
+                    content = [{"type": part, "text": content}]
+                item = {"type": "message", "role": item["role"], "content": content, "status": "completed"}
+            prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+            items.append({"id": f"{prefix}_{uuid.uuid4().hex}", **item})
+        return items
 
     def chat_tools(self) -> list[dict] | None:
         if self.tools is None:
@@ -369,24 +388,34 @@ def conversation_after(messages: list[dict[str, Any]], output: list[dict]) -> li
     return [*messages, *items_to_messages(output, "output", set())]
 
 
+@dataclass
+class Stored:
+    """A stored response: what ``GET`` returns, the chat turns ``previous_response_id`` continues,
+    and its request's input items."""
+
+    response: dict
+    conversation: list[dict[str, Any]]
+    input_items: list[dict]
+
+
 class ResponseStore:
-    """The ``max_size`` most recently stored responses and their conversations (``max_size`` 0:
-    none is kept). Shared by the event loop and nothing else, but locked all the same."""
+    """The ``max_size`` most recently stored responses (``max_size`` 0: none is kept). Used from
+    the event loop alone, but locked all the same."""
 
     def __init__(self, max_size: int = 1024):
         self.max_size = max_size
-        self._entries: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[str, Stored] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, body: dict, conversation: list[dict[str, Any]]) -> None:
+    def put(self, stored: Stored) -> None:
         if self.max_size <= 0:
             return
         with self._lock:
-            self._entries[body["id"]] = (body, conversation)
+            self._entries[stored.response["id"]] = stored
             while len(self._entries) > self.max_size:
                 self._entries.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict[str, Any]]] | None:
+    def get(self, rid: str) -> Stored | None:
         with self._lock:
             return self._entries.get(rid)
 
@@ -396,6 +425,29 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def item_page(items: list[dict], *, limit: int, order: str, after: str | None, before: str | None) -> dict:
+    """OpenAI's list object of ``items`` (oldest first): ``order`` ``desc`` newest first, at most
+    ``limit`` of them after the item ``after`` and before the item ``before`` (ids, in that order)."""
+    if not 1 <= limit <= 100:
+        raise _bad(f"limit must be in [1, 100], got {limit}", "limit")
+    if order not in ("asc", "desc"):
+        raise _bad(f"order must be 'asc' or 'desc', got {order!r:.100}", "order")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    lo, hi = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None:
+            if cursor not in ids:
+                raise _bad(f"{name} {cursor!r:.100} is not an input item of this response", name)
+            if name == "after":
+                lo = ids.index(cursor) + 1
+            else:
+                hi = ids.index(cursor)
+    page = ordered[lo:hi][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": lo + len(page) < hi}
 
 
 def new_response_id() -> str:

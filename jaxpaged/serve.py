@@ -34,9 +34,9 @@ from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedErr
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, chat_response, completion_response, invalid)
-from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, ResponseStore, as_responses_error,
-                                      conversation_after, final_status, new_response_id, now, plain, reply_stream,
-                                      response_body)
+from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, ResponseStore, Stored, as_responses_error,
+                                      conversation_after, final_status, item_page, new_response_id, now, plain,
+                                      reply_stream, response_body)
 from jaxpaged.openai_streaming import chat_events, completion_events, response_events
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.server_metrics import Metrics
@@ -220,7 +220,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 raise APIError(400, f"previous response with id {body.previous_response_id!r} not found (the "
                                f"server keeps the {responses_store.max_size} most recent stored responses)",
                                param="previous_response_id", code="previous_response_not_found")
-            previous = stored[1]
+            previous = stored.conversation
         try:
             chat = body.chat_request(previous)
             params = checked_params(chat)
@@ -231,10 +231,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         except APIError as e:
             raise as_responses_error(e) from None
         messages = chat.conversation()[1 if body.instructions is not None else 0:]
+        input_items = body.input_items()
 
         def done(response: dict) -> None:
             if body.store:
-                responses_store.put(response, conversation_after(messages, response["output"]))
+                responses_store.put(Stored(response, conversation_after(messages, response["output"]), input_items))
 
         if body.stream:
             return _EngineStream(response_events(engine, streams[0], rid, created, served_model_name, body,
@@ -252,19 +253,27 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
         return await respond(raw, streams, None, finish)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
+    def stored_response(response_id: str) -> Stored:
         stored = responses_store.get(response_id)
         if stored is None:
             raise APIError(404, f"no stored response with id {response_id!r}", param="response_id",
                            code="not_found")
-        return stored[0]
+        return stored
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return stored_response(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
+                                   before: str | None = None):
+        return item_page(stored_response(response_id).input_items, limit=limit, order=order, after=after,
+                         before=before)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        if not responses_store.delete(response_id):
-            raise APIError(404, f"no stored response with id {response_id!r}", param="response_id",
-                           code="not_found")
+        stored_response(response_id)
+        responses_store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from jaxpaged import LLM
 from jaxpaged.openai_protocol import APIError
-from jaxpaged.openai_responses import OutputItems, ResponsesRequest, as_responses_error, conversation_after
+from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, as_responses_error, conversation_after,
+                                      item_page)
 from jaxpaged.tool_calling import ToolCallStream
 from test_server import AUTH, ENGINE, KEY, MODEL, Running
 from test_tool_calling import WEATHER, hermes_replies, pieces_of
@@ -109,6 +110,27 @@ def test_only_the_item_a_reply_was_cut_in_is_incomplete():
     items.finish("incomplete")
     assert [(i["name"], i["status"]) for i in items.items] == [("f", "completed"), ("g", "completed"),
                                                               ("f", "incomplete")]
+
+
+def test_input_items_are_listed_back_with_ids_in_pages():
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "d"}]})
+    req.chat_request([])
+    items = req.input_items()
+    assert [i["id"].split("_")[0] for i in items] == ["msg", "msg", "fc", "fco"]
+    assert items[1]["content"] == [{"type": "output_text", "text": "b"}] and items[3]["output"] == "d"
+    ids = [i["id"] for i in items]
+    page = item_page(items, limit=2, order="desc", after=None, before=None)
+    assert [i["id"] for i in page["data"]] == ids[::-1][:2] and page["has_more"]
+    page = item_page(items, limit=2, order="desc", after=page["last_id"], before=None)
+    assert [i["id"] for i in page["data"]] == ids[1::-1] and not page["has_more"]
+    assert [i["id"] for i in item_page(items, limit=9, order="asc", after=ids[0], before=ids[3])["data"]] == ids[1:3]
+    for kw, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "x"}, "after")):
+        with pytest.raises(APIError) as e:
+            item_page(items, **{"limit": 20, "order": "asc", "after": None, "before": None, **kw})
+        assert e.value.param == param
 
 
 def test_chat_errors_are_told_in_the_responses_fields():
@@ -244,6 +266,10 @@ def test_stored_responses_continue_their_conversation_and_the_store_keeps_the_la
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    items = client.responses.input_items.list(first.id).model_dump(exclude_none=True)
+    assert [(i["type"], i["role"], i["content"]) for i in items["data"]] == [
+        ("message", "user", [{"type": "input_text", "text": "Hello"}])]
+    assert items["first_id"] == items["last_id"] == items["data"][0]["id"] and not items["has_more"]
     unstored = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
