@@ -16,9 +16,10 @@ With ``store`` (OpenAI's default) a response is kept, so that ``GET /v1/response
 returns it (and ``.../input_items`` its request's input items) and a later request's
 ``previous_response_id`` continues its conversation (its input and output, not its
 ``instructions``, as OpenAI has it; the same chat turns as the output items sent back as input). The store keeps the most recent
-responses only (:class:`ResponseStore`): an old id is then not found, never a leak. Not
-served: ``background``, ``truncation: "auto"``, logprobs, and tools other than functions
-(each refused with a 400 naming the field).
+responses only (:class:`ResponseStore`): an old id is then not found, never a leak. Output
+text carries its tokens' logprobs with ``include: ["message.output_text.logprobs"]`` (and
+``top_logprobs``), in a reply without tools. Not served: ``background``, ``truncation: "auto"``,
+other ``include`` values and tools other than functions (each refused with a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from jaxpaged.tool_calling import ToolCallStream, Update
 _PARAMS = {"messages": "input", "prompt": "input", "response_format": "text.format",
            "structured_outputs.json": "text.format.schema", "max_tokens": "max_output_tokens",
            "max_completion_tokens": "max_output_tokens"}
+LOGPROBS = "message.output_text.logprobs"  # the one value of ``include`` served
 # The fields whose strings are checked up front (a lone surrogate, which JSON can carry, would
 # fail only when the response echoing them is written).
 _STRING_FIELDS = ("input", "instructions", "tools", "tool_choice", "text", "metadata", "user", "stop", "cache_salt",
@@ -109,10 +111,18 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise _bad(f"truncation {self.truncation!r} is not supported: only 'disabled' (a conversation "
                        "longer than the model's context is refused)", "truncation", "unsupported_value")
-        if self.top_logprobs or any("logprobs" in x for x in self.include or ()):
-            param = "top_logprobs" if self.top_logprobs else "include"
-            raise _bad("logprobs are not supported by /v1/responses; use /v1/chat/completions", param,
-                       "unsupported_value")
+        for i, x in enumerate(self.include or ()):
+            if x != LOGPROBS:
+                raise _bad(f"include[{i}] {x!r:.100} is not supported: only {LOGPROBS!r}", f"include[{i}]",
+                           "unsupported_value")
+        if self.logprobs and self.tools and self.tool_choice != "none":
+            raise _bad(f"include {LOGPROBS!r} cannot be combined with tools here: give tool_choice 'none' or "
+                       "no tools", "include", "unsupported_value")
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text carries its tokens' logprobs (OpenAI's ``include``)."""
+        return LOGPROBS in (self.include or ())
 
     def input_messages(self, known_calls: set[str] = frozenset()) -> list[dict[str, Any]]:
         """``input`` as chat messages; ``known_calls``: the ids of the calls made before it."""
@@ -188,7 +198,8 @@ class ResponsesRequest(BaseModel):
             "messages": system + copy.deepcopy(previous) + self.input_messages(known_calls),
             "max_completion_tokens": self.max_output_tokens, "tools": self.chat_tools(),
             "tool_choice": self.chat_tool_choice(), "parallel_tool_calls": self.parallel_tool_calls,
-            "response_format": self.response_format(), "user": self.user,
+            "response_format": self.response_format(), "user": self.user, "logprobs": self.logprobs,
+            "top_logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             **{k: getattr(self, k) for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
                                              "stop", "ignore_eos", "cache_salt")},
         }
@@ -274,26 +285,29 @@ class OutputItems:
     ``feed`` takes a :class:`~jaxpaged.tool_calling.Update` (its ``parts`` in the reply's order):
     a run of content is a ``message`` item, each call a ``function_call`` item; an item is done
     when the next begins or at ``finish``. Each returns the events it makes (without their
-    ``sequence_number``)."""
+    ``sequence_number``). A reply without tools (``text_only``) is one message item, empty if
+    its text is, and may carry its tokens' logprobs (``feed``'s ``logprobs``: those of the tokens
+    since the last feed, each text delta taking those that came before it)."""
 
-    def __init__(self):
+    def __init__(self, text_only: bool = False):
+        self.text_only = text_only
         self.items: list[dict] = []
         self.open: dict | None = None  # the item the reply is writing
         self.by_call: dict[int, dict] = {}  # a tool call's index -> its item
+        self.logprobs: list[dict] = []  # not yet sent with a text delta
 
-    def feed(self, update: Update) -> list[dict]:
+    def feed(self, update: Update, logprobs: list[dict] = ()) -> list[dict]:
         events: list[dict] = []
+        self.logprobs += logprobs
         for part in update.parts:
             if isinstance(part, str):
-                if self.open is None or self.open["type"] != "message":
-                    self._begin({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
-                                 "role": "assistant", "content": []}, events)
-                    events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
-                                   "part": _text_part("")})
-                    self.open["content"].append(_text_part(""))
-                self.open["content"][0]["text"] += part
+                self._message(events)
+                text = self.open["content"][0]
+                text["text"] += part
+                text["logprobs"] += self.logprobs
                 events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0,
-                               "delta": part, "logprobs": []})
+                               "delta": part, "logprobs": self.logprobs})
+                self.logprobs = []
             elif part["index"] not in self.by_call:
                 fn = part["function"]
                 self._begin({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
@@ -307,7 +321,20 @@ class OutputItems:
     def finish(self, status: str) -> list[dict]:
         """Close the last item with ``status`` (``completed``, or ``incomplete`` when the reply was cut
         in it); the items before it are complete."""
-        return self._end(status)
+        events: list[dict] = []
+        if self.text_only:
+            self._message(events)  # (an empty reply is an empty message)
+            self.open["content"][0]["logprobs"] += self.logprobs  # tokens after the last text: EOS
+        return events + self._end(status)
+
+    def _message(self, events: list[dict]) -> None:
+        """Make sure the open item is a message."""
+        if self.open is None or self.open["type"] != "message":
+            self._begin({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
+                         "role": "assistant", "content": []}, events)
+            events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
+                           "part": _text_part("")})
+            self.open["content"].append(_text_part(""))
 
     def _where(self) -> dict:
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
@@ -331,7 +358,7 @@ class OutputItems:
         if item["type"] == "message":
             part = item["content"][0]
             events += [{"type": "response.output_text.done", **self._where(), "content_index": 0,
-                        "text": part["text"], "logprobs": []},
+                        "text": part["text"], "logprobs": copy.deepcopy(part["logprobs"])},
                        {"type": "response.content_part.done", **self._where(), "content_index": 0,
                         "part": copy.deepcopy(part)}]
         else:

@@ -175,7 +175,8 @@ async def response_events(engine, stream: RequestStream, rid: str, created: int,
     from jaxpaged.openai_responses import OutputItems, final_status, plain, reply_stream, response_body, sse_event
 
     seq = iter(range(1 << 62))
-    deltas, items, calls = _Deltas(stop), OutputItems(), reply_stream(tool_calls)
+    deltas, calls = _Deltas(stop), reply_stream(tool_calls)
+    items = OutputItems(text_only=calls is None)
     try:
         started = response_body(rid, created, model, body, status="in_progress", output=[])
         yield sse_event({"type": "response.created", "response": started}, next(seq))
@@ -186,8 +187,10 @@ async def response_events(engine, stream: RequestStream, rid: str, created: int,
             d = deltas.next(0, c.text, len(c.token_ids), finished)
             if d is None:
                 continue
-            update = plain(d[0]) if calls is None else calls.feed(d[0], finished)
-            for event in items.feed(update):
+            text, first = d
+            update = plain(text) if calls is None else calls.feed(text, finished)
+            logprobs = chat_logprobs(c, body.top_logprobs or 0, first)["content"] if body.logprobs else ()
+            for event in items.feed(update, logprobs):
                 yield sse_event(event, next(seq))
             if finished:
                 status = final_status(out)

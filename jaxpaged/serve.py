@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      TokenizeRequest, chat_response, completion_response, invalid)
+                                      TokenizeRequest, chat_logprobs, chat_response, completion_response, invalid)
 from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, ResponseStore, Stored, as_responses_error,
                                       conversation_after, final_status, item_page, new_response_id, now, plain,
                                       reply_stream, response_body)
@@ -242,8 +242,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                                  params.stop, tool_calls, done), engine, streams)
 
         def finish(outs: list[RequestOutput]) -> dict:
-            out, items, calls = outs[0], OutputItems(), reply_stream(tool_calls)
-            items.feed(plain(out.outputs[0].text) if calls is None else calls.feed(out.outputs[0].text, True))
+            out, calls = outs[0], reply_stream(tool_calls)
+            items, c = OutputItems(text_only=calls is None), out.outputs[0]
+            logprobs = chat_logprobs(c, body.top_logprobs or 0)["content"] if body.logprobs else ()
+            items.feed(plain(c.text) if calls is None else calls.feed(c.text, True), logprobs)
             status = final_status(out)
             items.finish(status)
             response = response_body(rid, created, served_model_name, body, status=status, output=items.items,

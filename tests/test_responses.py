@@ -62,8 +62,9 @@ def test_input_items_become_chat_messages():
      r"^input\[0\]\.call_id must be a string"),
     ({"background": True}, "background", r"^background responses are not supported"),
     ({"truncation": "auto"}, "truncation", r"^truncation 'auto' is not supported"),
-    ({"top_logprobs": 2}, "top_logprobs", r"^logprobs are not supported"),
-    ({"include": ["message.output_text.logprobs"]}, "include", r"^logprobs are not supported"),
+    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]",
+     r"^include\[1\] 'reasoning.encrypted_content' is not supported"),
+    ({"include": ["message.output_text.logprobs"], "tools": [FN_WEATHER]}, "include", r"cannot be combined with tools"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]", r"^tools\[0\] of type 'web_search' is not supported"),
     ({"tools": [FN_WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice", r"^tool_choice .* not supp"),
     ({"text": {"format": {"type": "xml"}}}, "text.format", r"^text\.format .* is not supported"),
@@ -102,6 +103,15 @@ def test_output_items_sent_back_are_the_conversation_previous_response_id_contin
     assert conversation_after(asked, output) == replayed.conversation()
     assert [(m["role"], m["content"], len(m.get("tool_calls") or ())) for m in replayed.conversation()] == [
         ("user", "Hi", 0), ("assistant", "Let me look.", 1), ("assistant", " Then.", 0)]
+
+
+def test_a_reply_without_tools_is_one_message_even_empty_and_keeps_its_last_logprobs():
+    items = OutputItems(text_only=True)
+    events = items.feed(ToolCallStream("hermes").feed("", False), [{"token": "a"}])  # (text held back)
+    events += items.finish("completed")
+    assert [(i["type"], i["content"][0]["text"], i["content"][0]["logprobs"]) for i in items.items] == [
+        ("message", "", [{"token": "a"}])]
+    assert [e["logprobs"] for e in events if e["type"] == "response.output_text.done"] == [[{"token": "a"}]]
 
 
 def test_only_the_item_a_reply_was_cut_in_is_incomplete():
@@ -238,6 +248,36 @@ def test_a_response_is_the_chat_endpoints_reply_and_streams_to_the_same(client):
     events, last = stream_of(client, **kw)
     assert unique(last) == unique(r) and last["usage"]["input_tokens_details"]["cached_tokens"] > 0  # prefix cache
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
+
+
+def test_output_text_logprobs_are_the_chat_endpoints_and_stream_alike(client):
+    kw = dict(input="Hello", max_output_tokens=6, temperature=0.8, top_logprobs=2,
+              include=["message.output_text.logprobs"], extra_body={"seed": 9})
+    r = client.responses.create(model=MODEL, **kw).model_dump()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+                                          temperature=0.8, seed=9, logprobs=True, top_logprobs=2).model_dump()
+    part = r["output"][0]["content"][0]
+    assert part["text"] == chat["choices"][0]["message"]["content"]
+    # The same tokens; their logprobs may differ in the last bits (a cached prefix, another step shape).
+    assert close(part["logprobs"], chat["choices"][0]["logprobs"]["content"])
+    assert len(part["logprobs"]) == 6 and all(len(t["top_logprobs"]) == 2 for t in part["logprobs"])
+    events, last = stream_of(client, **kw)
+    assert close(unique(last), unique(r)) and not close(unique(last), {**unique(r), "status": "x"})
+    streamed = [t for e in events if e["type"] == "response.output_text.delta" for t in e["logprobs"]]
+    done = [e["logprobs"] for e in events if e["type"] == "response.output_text.done"]
+    assert done == [last["output"][0]["content"][0]["logprobs"]]
+    assert streamed == done[0][:len(streamed)] and len(streamed) >= 5  # each delta with its tokens'
+
+
+def close(a, b) -> bool:
+    """``a == b`` but for floats, which may differ by 1e-4."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-4
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def test_a_required_tool_call_is_a_function_call_item_streamed_alike(client):
