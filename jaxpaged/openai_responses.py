@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from jaxpaged.input_processor import check_strings
 from jaxpaged.openai_protocol import APIError, ChatCompletionRequest
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.tool_calling import ToolCallStream, Update
 
 # A chat request's field -> the Responses request's field, for the errors' ``param``.
@@ -115,6 +116,8 @@ class ResponsesRequest(BaseModel):
             if x != LOGPROBS:
                 raise _bad(f"include[{i}] {x!r:.100} is not supported: only {LOGPROBS!r}", f"include[{i}]",
                            "unsupported_value")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise _bad(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         if self.logprobs and self.tools and self.tool_choice != "none":
             raise _bad(f"include {LOGPROBS!r} cannot be combined with tools here: give tool_choice 'none' or "
                        "no tools", "include", "unsupported_value")

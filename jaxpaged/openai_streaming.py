@@ -1,4 +1,4 @@
-"""Server-sent events for ``serve``'s streaming responses, in OpenAI's chunk format.
+"""Server-sent events for ``serve``'s streaming responses: OpenAI's chunks, and the Responses API's events.
 
 Outputs are cumulative; each chunk carries what a choice gained since the last one. Text
 that could still turn out to be the start of a stop string is held back until it cannot
@@ -8,6 +8,7 @@ that could still turn out to be the start of a stop string is held back until it
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator
 
@@ -15,6 +16,7 @@ from jaxpaged.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from jaxpaged.detokenizer import stream_end
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chunk,
                                       completion_logprobs, echo_text, usage)
+from jaxpaged.openai_responses import OutputItems, final_status, plain, reply_stream, response_body, sse_event
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.tool_calling import ToolCallStream
 
@@ -172,9 +174,7 @@ async def response_events(engine, stream: RequestStream, rid: str, created: int,
                           stop: list[str], tool_calls: dict | None, done) -> AsyncIterator[str]:
     """The Responses API's events for one reply (``body``: the ``ResponsesRequest``); ``done(response)``
     is called with the finished response before its last event (to store it)."""
-    from jaxpaged.openai_responses import OutputItems, final_status, plain, reply_stream, response_body, sse_event
-
-    seq = iter(range(1 << 62))
+    seq = itertools.count()
     deltas, calls = _Deltas(stop), reply_stream(tool_calls)
     items = OutputItems(text_only=calls is None)
     try:

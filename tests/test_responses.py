@@ -65,6 +65,7 @@ def test_input_items_become_chat_messages():
     ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]",
      r"^include\[1\] 'reasoning.encrypted_content' is not supported"),
     ({"include": ["message.output_text.logprobs"], "tools": [FN_WEATHER]}, "include", r"cannot be combined with tools"),
+    ({"top_logprobs": 10**6}, "top_logprobs", r"^top_logprobs must be in \[0, "),
     ({"tools": [{"type": "web_search"}]}, "tools[0]", r"^tools\[0\] of type 'web_search' is not supported"),
     ({"tools": [FN_WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice", r"^tool_choice .* not supp"),
     ({"text": {"format": {"type": "xml"}}}, "text.format", r"^text\.format .* is not supported"),
