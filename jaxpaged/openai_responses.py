@@ -144,12 +144,15 @@ class ResponsesRequest(BaseModel):
             kind = item.get("type", "message")
             if kind == "message":
                 content = item["content"]
-                if isinstance(content, str):
-                    part = "output_text" if item["role"] == "assistant" else "input_text"
-                    content = [{"type": part, "text": content}]
-                item = {"type": "message", "role": item["role"], "content": content, "status": "completed"}
+                texts = [content] if isinstance(content, str) else [part["text"] for part in content]
+                parts = ([{"type": "output_text", "text": t, "annotations": []} for t in texts]
+                         if item["role"] == "assistant" else [{"type": "input_text", "text": t} for t in texts])
+                item = {"type": "message", "role": item["role"], "content": parts}
+            else:
+                keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+                item = {"type": kind, **{k: item[k] for k in keys}}
             prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
-            items.append({"id": f"{prefix}_{uuid.uuid4().hex}", **item})
+            items.append({"id": f"{prefix}_{uuid.uuid4().hex}", **item, "status": "completed"})
         return items
 
     def chat_tools(self) -> list[dict] | None:
@@ -414,8 +417,10 @@ def final_status(out: RequestOutput) -> str:
 def conversation_after(messages: list[dict[str, Any]], output: list[dict]) -> list[dict[str, Any]]:
     """``messages`` (without the system message of ``instructions``) and the reply's ``output``
     as chat messages: what a later request's ``previous_response_id`` continues, the same as a
-    client sending the output items back as input."""
-    return [*messages, *items_to_messages(output, "output", set())]
+    client sending the output items back as input; but a call cut short (``max_output_tokens``, a
+    stop string), whose arguments may not be JSON, is left out."""
+    complete = [item for item in output if not (item["type"] == "function_call" and item["status"] == "incomplete")]
+    return [*messages, *items_to_messages(complete, "output", set())]
 
 
 @dataclass
@@ -459,7 +464,8 @@ class ResponseStore:
 
 def item_page(items: list[dict], *, limit: int, order: str, after: str | None, before: str | None) -> dict:
     """OpenAI's list object of ``items`` (oldest first): ``order`` ``desc`` newest first, at most
-    ``limit`` of them after the item ``after`` and before the item ``before`` (ids, in that order)."""
+    ``limit`` of them after the item ``after`` (the first ones) and before the item ``before`` (the
+    last ones, when ``after`` is not given); ``has_more``: more lie beyond the page that way."""
     if not 1 <= limit <= 100:
         raise _bad(f"limit must be in [1, 100], got {limit}", "limit")
     if order not in ("asc", "desc"):
@@ -475,9 +481,14 @@ def item_page(items: list[dict], *, limit: int, order: str, after: str | None, b
                 lo = ids.index(cursor) + 1
             else:
                 hi = ids.index(cursor)
-    page = ordered[lo:hi][:limit]
+    if before is not None and after is None:  # the page just before the cursor
+        start = max(lo, hi - limit)
+        page, has_more = ordered[start:hi], start > lo
+    else:
+        page = ordered[lo:hi][:limit]
+        has_more = lo + len(page) < hi
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": lo + len(page) < hi}
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
 
 
 def new_response_id() -> str:

@@ -9,6 +9,8 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.responses import (ResponseFunctionToolCallItem, ResponseFunctionToolCallOutputItem,
+                                    ResponseInputMessageItem, ResponseOutputMessage)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,6 +117,14 @@ def test_a_reply_without_tools_is_one_message_even_empty_and_keeps_its_last_logp
     assert [e["logprobs"] for e in events if e["type"] == "response.output_text.done"] == [[{"token": "a"}]]
 
 
+def test_a_call_cut_short_is_left_out_of_the_conversation_continued():
+    s, items = ToolCallStream("named", name="f"), OutputItems()
+    items.feed(s.feed('{"a":', True))
+    items.finish("incomplete")
+    assert items.items[0]["arguments"] == '{"a":'
+    assert conversation_after([{"role": "user", "content": "Hi"}], items.items) == [{"role": "user", "content": "Hi"}]
+
+
 def test_only_the_item_a_reply_was_cut_in_is_incomplete():
     s, items = ToolCallStream("required"), OutputItems()
     items.feed(s.feed('[{"name":"f","parameters":{}},{"name":"g","parameters":{}},{"name":"f","parameters":{"a', True))
@@ -131,13 +141,20 @@ def test_input_items_are_listed_back_with_ids_in_pages():
     req.chat_request([])
     items = req.input_items()
     assert [i["id"].split("_")[0] for i in items] == ["msg", "msg", "fc", "fco"]
-    assert items[1]["content"] == [{"type": "output_text", "text": "b"}] and items[3]["output"] == "d"
+    assert items[1]["content"] == [{"type": "output_text", "text": "b", "annotations": []}] and items[3]["output"] == "d"
     ids = [i["id"] for i in items]
     page = item_page(items, limit=2, order="desc", after=None, before=None)
     assert [i["id"] for i in page["data"]] == ids[::-1][:2] and page["has_more"]
     page = item_page(items, limit=2, order="desc", after=page["last_id"], before=None)
     assert [i["id"] for i in page["data"]] == ids[1::-1] and not page["has_more"]
     assert [i["id"] for i in item_page(items, limit=9, order="asc", after=ids[0], before=ids[3])["data"]] == ids[1:3]
+    page = item_page(items, limit=2, order="asc", after=None, before=ids[3])  # the page before the cursor
+    assert [i["id"] for i in page["data"]] == ids[1:3] and page["has_more"]
+    typed = {"message": ResponseInputMessageItem, "function_call": ResponseFunctionToolCallItem,
+             "function_call_output": ResponseFunctionToolCallOutputItem}
+    for item in items:  # what the openai package's types take, the assistant's text as an output message
+        model = ResponseOutputMessage if item.get("role") == "assistant" else typed[item["type"]]
+        model.model_validate(item, strict=True)
     for kw, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "x"}, "after")):
         with pytest.raises(APIError) as e:
             item_page(items, **{"limit": 20, "order": "asc", "after": None, "before": None, **kw})
@@ -293,6 +310,17 @@ def test_a_required_tool_call_is_a_function_call_item_streamed_alike(client):
     assert unique(last) == unique(r)
     deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
     assert len(deltas) > 1 and "".join(deltas) == call["arguments"]  # the arguments stream as they come
+
+
+def test_a_named_call_cut_short_is_incomplete_and_its_response_goes_on(client):
+    kw = dict(input="Weather?", tools=[FN_WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+              max_output_tokens=3)
+    r = client.responses.create(model=MODEL, **kw)
+    assert r.status == "incomplete" and [(i.type, i.status) for i in r.output] == [("function_call", "incomplete")]
+    _, last = stream_of(client, **kw)
+    assert last["status"] == "incomplete"
+    after = client.responses.create(model=MODEL, input="Go on.", previous_response_id=r.id, max_output_tokens=2)
+    assert after.status == "incomplete" and after.usage.output_tokens == 2
 
 
 def test_stored_responses_continue_their_conversation_and_the_store_keeps_the_latest(client, srv):
