@@ -61,6 +61,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     stored responses (see :mod:`jaxpaged.openai_responses`)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
+    if responses_store_size < 0:
+        raise ValueError(f"responses_store_size must be at least 0, got {responses_store_size}")
     metrics = Metrics(engine)
     engine.stat_loggers.append(metrics.record)
     responses_store = ResponseStore(responses_store_size)
@@ -412,6 +414,8 @@ def run(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    if args.responses_store_size < 0:
+        parser.error(f"--responses-store-size must be at least 0, got {args.responses_store_size}")
     from jaxpaged.cli import engine_kwargs
     from jaxpaged.engine import LLM
 

@@ -382,3 +382,11 @@ def test_raw_bodies_get_a_400_naming_their_field(srv, body, param):
     r = httpx.post(srv.url + "/v1/responses", content=json.dumps({"model": MODEL, **body}),
                    headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_negative_store_size_is_refused_on_the_command_line(capsys):
+    from jaxpaged.serve import run
+
+    with pytest.raises(SystemExit) as e:  # before any model is loaded
+        run(["--responses-store-size", "-1"])
+    assert e.value.code == 2 and "--responses-store-size must be at least 0, got -1" in capsys.readouterr().err
