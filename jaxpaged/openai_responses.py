@@ -15,8 +15,9 @@ unstreamed one (but for its ids).
 With ``store`` (OpenAI's default) a response is kept, so that ``GET /v1/responses/{id}``
 returns it (and ``.../input_items`` its request's input items) and a later request's
 ``previous_response_id`` continues its conversation (its input and output, not its
-``instructions``, as OpenAI has it; the same chat turns as the output items sent back as input). The store keeps the most recent
-responses only (:class:`ResponseStore`): an old id is then not found, never a leak. Output
+``instructions``, as OpenAI has it; the same chat turns as the output items sent back as
+input). The store keeps the most recent responses only (:class:`ResponseStore`): an old id is
+then not found, never a leak. Output
 text carries its tokens' logprobs with ``include: ["message.output_text.logprobs"]`` (and
 ``top_logprobs``), in a reply without tools. Not served: ``background``, ``truncation: "auto"``,
 other ``include`` values and tools other than functions (each refused with a 400 naming the field).
@@ -394,7 +395,8 @@ def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, 
     usage = None
     if out is not None:
         n_in, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-        usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
+        usage = {"input_tokens": n_in,
+                 "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
                  "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": n_in + n_out}
     return {
@@ -419,7 +421,7 @@ def conversation_after(messages: list[dict[str, Any]], output: list[dict]) -> li
     as chat messages: what a later request's ``previous_response_id`` continues, the same as a
     client sending the output items back as input; but a call cut short (``max_output_tokens``, a
     stop string), whose arguments may not be JSON, is left out."""
-    complete = [item for item in output if not (item["type"] == "function_call" and item["status"] == "incomplete")]
+    complete = [item for item in output if item["type"] != "function_call" or item["status"] != "incomplete"]
     return [*messages, *items_to_messages(complete, "output", set())]
 
 
@@ -457,9 +459,6 @@ class ResponseStore:
     def delete(self, rid: str) -> bool:
         with self._lock:
             return self._entries.pop(rid, None) is not None
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def item_page(items: list[dict], *, limit: int, order: str, after: str | None, before: str | None) -> dict:

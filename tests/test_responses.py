@@ -141,7 +141,8 @@ def test_input_items_are_listed_back_with_ids_in_pages():
     req.chat_request([])
     items = req.input_items()
     assert [i["id"].split("_")[0] for i in items] == ["msg", "msg", "fc", "fco"]
-    assert items[1]["content"] == [{"type": "output_text", "text": "b", "annotations": []}] and items[3]["output"] == "d"
+    assert items[1]["content"] == [{"type": "output_text", "text": "b", "annotations": []}]
+    assert items[3]["output"] == "d"
     ids = [i["id"] for i in items]
     page = item_page(items, limit=2, order="desc", after=None, before=None)
     assert [i["id"] for i in page["data"]] == ids[::-1][:2] and page["has_more"]
@@ -255,9 +256,8 @@ def test_a_response_is_the_chat_endpoints_reply_and_streams_to_the_same(client):
     kw = dict(instructions="Be brief.", input="What is paged attention?", max_output_tokens=12, temperature=0.8,
               extra_body={"seed": 5})
     r = client.responses.create(model=MODEL, **kw).model_dump()
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
-                                                                 {"role": "user", "content": "What is paged attention?"}],
-                                          max_tokens=12, temperature=0.8, seed=5)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is paged attention?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.8, seed=5)
     text = chat.choices[0].message.content
     assert [i["type"] for i in r["output"]] == ["message"] and r["output"][0]["content"][0]["text"] == text
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
