@@ -254,10 +254,11 @@ def unique(r: dict) -> dict:
 
 def test_a_response_is_the_chat_endpoints_reply_and_streams_to_the_same(client):
     kw = dict(instructions="Be brief.", input="What is paged attention?", max_output_tokens=12, temperature=0.8,
-              extra_body={"seed": 5})
+              extra_body={"seed": 5, "ignore_eos": True})
     r = client.responses.create(model=MODEL, **kw).model_dump()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is paged attention?"}]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.8, seed=5)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.8, seed=5,
+                                          extra_body={"ignore_eos": True})
     text = chat.choices[0].message.content
     assert [i["type"] for i in r["output"]] == ["message"] and r["output"][0]["content"][0]["text"] == text
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -270,10 +271,11 @@ def test_a_response_is_the_chat_endpoints_reply_and_streams_to_the_same(client):
 
 def test_output_text_logprobs_are_the_chat_endpoints_and_stream_alike(client):
     kw = dict(input="Hello", max_output_tokens=6, temperature=0.8, top_logprobs=2,
-              include=["message.output_text.logprobs"], extra_body={"seed": 9})
+              include=["message.output_text.logprobs"], extra_body={"seed": 9, "ignore_eos": True})
     r = client.responses.create(model=MODEL, **kw).model_dump()
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
-                                          temperature=0.8, seed=9, logprobs=True, top_logprobs=2).model_dump()
+                                          temperature=0.8, seed=9, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True}).model_dump()
     part = r["output"][0]["content"][0]
     assert part["text"] == chat["choices"][0]["message"]["content"]
     # The same tokens; their logprobs may differ in the last bits (a cached prefix, another step shape).
