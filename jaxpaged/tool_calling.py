@@ -222,21 +222,21 @@ class _JsonObjects(_JsonScanner):
             self.start = None
 
 
-class _ArrayCalls(_JsonScanner):
-    """The calls of a ``required`` reply, ``[{"name": ..., "parameters": {...}}, ...]``, read as
-    its text arrives: ``feed`` returns every call found so far as ``[name, start, end]``, the
-    span of its ``parameters`` object in the text (``end`` None while the object is open). A
-    call counts from its ``parameters`` object's first bracket once its name is read (the
-    constraint writes the name first); an item without both is no call."""
+class _Calls(_JsonScanner):
+    """Calls ``{"name": ..., <args_key>: {...}}`` read as their text arrives, the objects at
+    ``item_level`` (2: the items of a ``required`` reply's array; 1: the object of a hermes
+    block): ``feed`` returns every call found so far as ``[name, start, end]``, the span of its
+    arguments object in the text (``end`` None while the object is open). A call counts from
+    its arguments object's first bracket once its name is read (the constraint and the hermes
+    format write the name first); an item without both is no call."""
 
-    ITEM = 2  # the level inside an item's braces
-
-    def __init__(self):
+    def __init__(self, item_level: int, args_key: str):
         super().__init__()
+        self.item, self.args_key = item_level, args_key
         self.expect_key = True  # inside an item: the next string is a key
         self.key: str | None = None
         self.name: str | None = None
-        self.open_call: list | None = None  # the item's call while its parameters are read
+        self.open_call: list | None = None  # the item's call while its arguments are read
         self.calls: list[list] = []
 
     def feed(self, piece: str) -> list[list]:
@@ -244,7 +244,7 @@ class _ArrayCalls(_JsonScanner):
         return self.calls
 
     def _string(self, start: int, end: int) -> None:
-        if self.level != self.ITEM:
+        if self.level != self.item:
             return
         try:
             value = json.loads(self.buf[start:end])
@@ -256,19 +256,19 @@ class _ArrayCalls(_JsonScanner):
             self.name = value
 
     def _other(self, i: int, ch: str) -> None:
-        if self.level == self.ITEM and ch in ":,":
+        if self.level == self.item and ch in ":,":
             self.expect_key = ch == ","
 
     def _open(self, i: int, ch: str) -> None:
-        if self.level == self.ITEM - 1 and ch == "{":  # an item
+        if self.level == self.item - 1 and ch == "{":  # an item
             self.expect_key, self.key, self.name = True, None, None
-        elif (self.level == self.ITEM and ch == "{" and not self.expect_key and self.key == "parameters"
+        elif (self.level == self.item and ch == "{" and not self.expect_key and self.key == self.args_key
               and self.name is not None):
             self.open_call = [self.name, i, None]
             self.calls.append(self.open_call)
 
     def _close(self, i: int, ch: str) -> None:
-        if self.level == self.ITEM and self.open_call is not None:
+        if self.level == self.item and self.open_call is not None:
             self.open_call[2] = i + 1
             self.open_call = None
 
@@ -313,10 +313,11 @@ class ToolCallStream:
     ``required``: the calls of the constrained JSON array, each sent once its name is read, its
     arguments (its ``parameters`` as written) as they come; a call cut short keeps what came.
     ``"hermes"``: each ``<tool_call>`` block that holds ``{"name", "arguments"}`` a call, sent
-    once complete, and the text around them (broken blocks included) content, less the
-    whitespace before each call and at the end. ``"llama3_json"``: a reply that is calls and
-    nothing else, sent at its end; any other reply is content. A reply with no call is its
-    own content, unchanged.
+    once its name is read and its arguments object opens, its arguments as they come (as
+    written; a block cut short keeps what came); the text around them (blocks that are no call
+    included) content, less the whitespace before each call and at the end.
+    ``"llama3_json"``: a reply that is calls and nothing else, sent at its end; any other reply
+    is content. A reply with no call is its own content, unchanged.
     """
 
     def __init__(self, mode: str, *, name: str | None = None, max_calls: int | None = None):
@@ -327,8 +328,9 @@ class ToolCallStream:
         self.pending = ""  # text not yet sent as content or taken into a call
         self.held_space = ""  # whitespace-only content held back
         self.in_call = False  # hermes: inside <tool_call>
+        self.block, self.block_call = _Calls(1, "arguments"), None  # hermes: the block's call (-1: over max_calls)
         self.llama_mode: str | None = None  # llama3_json: None (calls, or undecided) or "content"
-        self.array = _ArrayCalls()  # required
+        self.array = _Calls(2, "parameters")  # required
         self.raw = ""  # required / llama3_json: all text, for when no call is found
         self.finished = False
 
@@ -410,6 +412,10 @@ class ToolCallStream:
             u.add_content(self.raw)
 
     def _hermes(self, piece: str, u: Update) -> None:
+        """Text outside ``<tool_call>`` blocks is content; a block's call goes out once its name
+        is read and its ``arguments`` object opens, its arguments (as written) as they come. A
+        block that never gets that far is parsed whole at its end: a call if it holds ``{"name",
+        "arguments"}`` (in any order), else content, tags and all."""
         start, end = "<tool_call>", "</tool_call>"
         self.pending += piece
         while True:
@@ -423,16 +429,35 @@ class ToolCallStream:
                 self._content(self.pending[:i], u)
                 self.pending = self.pending[i + len(start):]
                 self.in_call = True
+                self.block, self.block_call = _Calls(1, "arguments"), None
             j = self.pending.find(end)
+            keep = 0 if j >= 0 or self.finished else _partial_suffix(self.pending, end)
+            body = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - keep]
+            self._stream_block(body, u)
             if j < 0 and not self.finished:
                 return
-            body = self.pending if j < 0 else self.pending[:j]
-            if not self._add_call(_call(body, ("arguments",)), u):
+            if self.block_call is None and not self._add_call(_call(body, ("arguments",)), u):
                 self._content(start + body + ("" if j < 0 else end), u)
             self.pending = "" if j < 0 else self.pending[j + len(end):]
             self.in_call = False
             if j < 0:
                 return
+
+    def _stream_block(self, body: str, u: Update) -> None:
+        """Send what ``body`` (a hermes block's text so far) adds to the block's call."""
+        found = self.block.feed(body[len(self.block.buf):])
+        if not found:
+            return
+        name, s, e = found[0]  # (a block holds one call)
+        args = self.block.buf[s:e]
+        if self.block_call is None:
+            n = len(self.calls)
+            self._add_call(ToolCall(name, args), u)
+            self.block_call = n if len(self.calls) > n else -1  # (-1: a call past max_calls, dropped)
+        elif self.block_call >= 0 and len(args) > len(self.calls[self.block_call].arguments):
+            k = self.block_call
+            u.add_call({"index": k, "function": {"arguments": args[len(self.calls[k].arguments):]}})
+            self.calls[k].arguments = args
 
 
 def _llama_calls(text: str) -> list[ToolCall] | None:

@@ -210,6 +210,52 @@ def test_required_arguments_stream_as_they_come():
     assert deltas[0][0]["function"]["name"] == "add"
 
 
+def test_hermes_arguments_stream_as_they_come():
+    s = ToolCallStream("hermes")
+    pieces = ['Sure. <tool_', 'call>\n{"name": "add", "argu', 'ments": {"a"', ': 1, "b"', ': 3}}\n</tool', '_call>',
+              '<tool_call>{"name": "f", "arguments": {}}</tool_call>']
+    updates = [s.feed(p, False) for p in pieces] + [s.feed("", True)]
+    assert [[d["function"]["arguments"] for d in u.tool_calls] for u in updates] == [
+        [], [], ['{"a"'], [': 1, "b"'], [": 3}"], [], ["{}"], []]
+    assert updates[2].tool_calls[0]["function"]["name"] == "add" and updates[6].tool_calls[0]["index"] == 1
+    assert "".join(u.content for u in updates) == "Sure."
+    assert [(c.name, c.arguments) for c in s.calls] == [("add", '{"a": 1, "b": 3}'), ("f", "{}")]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(NAMES, ARGS), min_size=1, max_size=3), st.integers(1, 60),
+       st.lists(st.integers(0, 200), max_size=8))
+def test_a_hermes_reply_cut_short_keeps_the_arguments_that_came(calls, cut_at, cuts):
+    """A reply cut by max_tokens: every call whose arguments began, with what came of them,
+    streamed or whole; a block cut before its arguments began is content."""
+    blocks = [f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>' for n, a in calls]
+    text = "".join(blocks)
+    cut = text[:max(0, len(text) - cut_at)]
+    whole = run("hermes", [cut])[:2]
+    assert run("hermes", pieces_of(cut, cuts))[:2] == whole
+    expected, rest, pos = [], "", 0
+    for (n, a), block in zip(calls, blocks):
+        start = pos + block.index('"arguments": ') + len('"arguments": ')
+        if start < len(cut):
+            expected.append({"name": n, "arguments": json.dumps(a)[:len(cut) - start]})
+        elif pos < len(cut):
+            rest = cut[pos:]  # the block cut before its arguments: content, as the text was
+        pos += len(block)
+    assert whole == (rest.rstrip() if expected else rest, expected)  # (trailing space after calls dropped)
+
+
+def test_hermes_blocks_that_stream_no_call_are_read_whole():
+    text = ('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'  # name last: a call at its end
+            '<tool_call>{"name": "f", "arguments": {"x": 2}, oops</tool_call>')  # arguments read: a call
+    content, calls, _ = run("hermes", [text])
+    assert (content, calls) == ("", [{"name": "add", "arguments": '{"a": 1}'}, {"name": "f", "arguments": '{"x": 2}'}])
+    s = ToolCallStream("hermes", max_calls=1)  # a call past max_calls sends nothing, not even content
+    deltas = [s.feed(p, False).tool_calls for p in ['<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+                                                    '<tool_call>{"name": "g", "arg', 'uments": {"a"', ': 1}}']]
+    assert [len(d) for d in deltas] == [1, 0, 0, 0] and s.feed("</tool_call>", True).content == ""
+    assert [c.name for c in s.calls] == ["f"]
+
+
 def test_named_arguments_stream_as_they_come_and_one_call_at_most():
     content, calls, s = run("named", ['{"a"', "", ': 1}'], name="add")
     assert (content, calls) == ("", [{"name": "add", "arguments": '{"a": 1}'}])
