@@ -231,11 +231,7 @@ def items_to_messages(items: list[dict], what: str, known_calls: set[str]) -> li
             messages.append(_message(item, where))
         elif kind == "function_call":
             call_id, arguments = _string(item, "call_id", where), _string(item, "arguments", where)
-            try:
-                ok = isinstance(json.loads(arguments), dict)
-            except ValueError:
-                ok = False
-            if not ok:
+            if not _json_object(arguments):
                 raise _bad(f"{where}.arguments must be a JSON object's text, got {arguments!r:.100}",
                            f"{where}.arguments")
             call = {"id": call_id, "type": "function",
@@ -327,7 +323,8 @@ class OutputItems:
 
     def finish(self, status: str) -> list[dict]:
         """Close the last item with ``status`` (``completed``, or ``incomplete`` when the reply was cut
-        in it); the items before it are complete."""
+        in it); the items before it are complete. A call whose arguments are no JSON object is
+        ``incomplete`` whatever ended it."""
         events: list[dict] = []
         if self.text_only:
             self._message(events)  # (an empty reply is an empty message)
@@ -371,6 +368,8 @@ class OutputItems:
         else:
             events.append({"type": "response.function_call_arguments.done", **self._where(),
                            "name": item["name"], "arguments": item["arguments"]})
+            if not _json_object(item["arguments"]):  # cut by a stop string, or its block closed early
+                status = "incomplete"
         item["status"] = status
         events.append({"type": "response.output_item.done", "output_index": len(self.items) - 1,
                        "item": copy.deepcopy(item)})
@@ -416,11 +415,19 @@ def final_status(out: RequestOutput) -> str:
     return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
 
 
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def conversation_after(messages: list[dict[str, Any]], output: list[dict]) -> list[dict[str, Any]]:
     """``messages`` (without the system message of ``instructions``) and the reply's ``output``
     as chat messages: what a later request's ``previous_response_id`` continues, the same as a
     client sending the output items back as input; but a call cut short (``max_output_tokens``, a
-    stop string), whose arguments may not be JSON, is left out."""
+    stop string, a block closed before its arguments), ``incomplete`` since its arguments are no
+    JSON object, is left out."""
     complete = [item for item in output if item["type"] != "function_call" or item["status"] != "incomplete"]
     return [*messages, *items_to_messages(complete, "output", set())]
 

@@ -314,8 +314,9 @@ class ToolCallStream:
     arguments (its ``parameters`` as written) as they come; a call cut short keeps what came.
     ``"hermes"``: each ``<tool_call>`` block that holds ``{"name", "arguments"}`` a call, sent
     once its name is read and its arguments object opens, its arguments as they come (as
-    written; a block cut short keeps what came); the text around them (blocks that are no call
-    included) content, less the whitespace before each call and at the end.
+    written; a block cut short, or closed before its arguments are, keeps what came; an end tag
+    inside a string of the open arguments is theirs); the text around them (blocks that are no
+    call included) content, less the whitespace before each call and at the end.
     ``"llama3_json"``: a reply that is calls and nothing else, sent at its end; any other reply
     is content. A reply with no call is its own content, unchanged.
     """
@@ -430,7 +431,12 @@ class ToolCallStream:
                 self.pending = self.pending[i + len(start):]
                 self.in_call = True
                 self.block, self.block_call = _Calls(1, "arguments"), None
-            j = self.pending.find(end)
+            j = self.pending.find(end, len(self.block.buf))  # (the tags in what the block read are its text)
+            while j >= 0:  # an end tag inside a string of the call's open arguments is the arguments' text
+                self._stream_block(self.pending[:j], u)
+                if self.block.open_call is None or not self.block.in_string:
+                    break
+                j = self.pending.find(end, j + 1)
             keep = 0 if j >= 0 or self.finished else _partial_suffix(self.pending, end)
             body = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - keep]
             self._stream_block(body, u)

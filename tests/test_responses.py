@@ -125,6 +125,21 @@ def test_a_call_cut_short_is_left_out_of_the_conversation_continued():
     assert conversation_after([{"role": "user", "content": "Hi"}], items.items) == [{"role": "user", "content": "Hi"}]
 
 
+def test_a_call_whose_arguments_never_closed_is_incomplete_however_the_reply_ended():
+    """A stop string inside a call's arguments, or a hermes block closed before them: the reply
+    is complete, the call is not (its arguments are no JSON), and a later turn leaves it out."""
+    for mode, text in [("named", '{"a": 1, "b'), ("hermes", 'Hi. <tool_call>{"name": "f", "arguments": {"a": 1,'),
+                       ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call> Then.')]:
+        s, items = ToolCallStream(mode, name="f"), OutputItems()
+        items.feed(s.feed(text, True))
+        items.finish("completed")
+        calls = [i for i in items.items if i["type"] == "function_call"]
+        assert [c["status"] for c in calls] == ["incomplete"], text
+        assert all(i["status"] == "completed" for i in items.items if i["type"] == "message")
+        turns = conversation_after([{"role": "user", "content": "Hi"}], items.items)
+        assert not any(t.get("tool_calls") for t in turns)
+
+
 def test_only_the_item_a_reply_was_cut_in_is_incomplete():
     s, items = ToolCallStream("required"), OutputItems()
     items.feed(s.feed('[{"name":"f","parameters":{}},{"name":"g","parameters":{}},{"name":"f","parameters":{"a', True))

@@ -244,6 +244,17 @@ def test_a_hermes_reply_cut_short_keeps_the_arguments_that_came(calls, cut_at, c
     assert whole == (rest.rstrip() if expected else rest, expected)  # (trailing space after calls dropped)
 
 
+def test_a_hermes_end_tag_inside_the_open_arguments_strings_is_theirs():
+    text = ('<tool_call>{"name": "f", "arguments": {"s": "a</tool_call>b"}}</tool_call> after '
+            '<tool_call>{"name": "g", "arguments": {"a": 1</tool_call> rest')  # closed before its arguments
+    whole = run("hermes", [text])[:2]
+    assert whole == (" after rest", [{"name": "f", "arguments": '{"s": "a</tool_call>b"}'},
+                               {"name": "g", "arguments": '{"a": 1'}])  # (the second: what came; no JSON)
+    for k in range(1, len(text)):
+        assert run("hermes", [text[:k], text[k:]])[:2] == whole, k
+    assert run("hermes", list(text))[:2] == whole
+
+
 def test_hermes_blocks_that_stream_no_call_are_read_whole():
     text = ('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'  # name last: a call at its end
             '<tool_call>{"name": "f", "arguments": {"x": 2}, oops</tool_call>')  # arguments read: a call
