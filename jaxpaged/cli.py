@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxpaged.chat_template import load_chat_template
+
 PROG = "jaxpaged-generate"
 _SAMPLING = [  # (flag, type, SamplingParams field)
     ("--max-tokens", int, "max_tokens"), ("--min-tokens", int, "min_tokens"), ("--n", int, "n"),
@@ -90,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--chat-template", help="for --chat: a chat template instead of the model's (a file, or the "
+                                           "Jinja template itself)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt at a time)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request and a JSON summary")
     s = p.add_argument_group("sampling")
@@ -180,8 +184,13 @@ def run(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.stream and args.json:
         parser.error("--stream prints text as it comes; --json prints whole outputs: give one")
-    if args.system is not None and not args.chat:
-        parser.error("--system is a chat option: add --chat")
+    for option, value in (("--system", args.system), ("--chat-template", args.chat_template)):
+        if value is not None and not args.chat:
+            parser.error(f"{option} is a chat option: add --chat")
+    try:
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    except (OSError, ValueError, TypeError) as e:
+        parser.error(str(e))
     from jaxpaged.engine import LLM
     from jaxpaged.sampling_params import SamplingParams
 
@@ -210,7 +219,7 @@ def run(argv: list[str] | None = None) -> int:
         if args.chat:
             conv = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": text}]
-            prompts.append(llm.chat_prompt(conv))
+            prompts.append(llm.chat_prompt(conv, chat_template=template))
         else:
             prompts.append(text)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpaged.block_manager import BlockManager
+from jaxpaged.chat_template import template_kwargs
 from jaxpaged.compilation_cache import ensure_compilation_cache
 from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.data_parallel import DataParallelRunner, DataParallelScheduler
@@ -274,7 +275,9 @@ class LLM:
         return [done[r.request_id] for r in reqs]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the model's chat template.
 
         A message is a dict with a str ``role`` and a ``content`` that is a str or a list of
@@ -282,9 +285,14 @@ class LLM:
         ``tool_calls`` and a tool's reply (``"role": "tool"``) go to the template as the
         OpenAI API has them. ``tools`` (OpenAI's function tools) are given to the template, as
         vLLM's ``LLM.chat`` does; each output's ``prompt`` is the conversation as the template
-        wrote it."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
+        wrote it. ``chat_template`` (a Jinja template) replaces the model's,
+        ``chat_template_kwargs`` are the template's own variables, and ``continue_final_message``
+        (with ``add_generation_prompt=False``) continues the last message instead of opening a
+        new turn, all as vLLM takes them (:mod:`jaxpaged.chat_template`)."""
+        options = dict(chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                       continue_final_message=continue_final_message)
+        template_kwargs(add_generation_prompt=add_generation_prompt, **options)  # (its errors before the messages')
+        self._check_chat_template(chat_template)
         if not isinstance(messages, list) or not messages:
             got = repr(messages) if isinstance(messages, list) else type(messages).__name__
             raise TypeError(f"messages must be a non-empty list of message dicts (one conversation) or of "
@@ -293,22 +301,33 @@ class LLM:
         if tools is not None:
             check_tools(tools)
         prompts = [self.chat_prompt(c, add_generation_prompt, tools=tools,
-                                    what=f"conversation {i}" if len(convs) > 1 else "messages")
+                                    what=f"conversation {i}" if len(convs) > 1 else "messages", **options)
                    for i, c in enumerate(convs)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def _check_chat_template(self, chat_template: str | None) -> None:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer to chat with")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat_template: this model has none of its own; give one")
+
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True, *,
-                    tools: list[dict] | None = None, what: str = "messages") -> dict[str, Any]:
+                    tools: list[dict] | None = None, what: str = "messages", **options) -> dict[str, Any]:
         """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation (and ``tools``) through
-        the chat template; a malformed message is refused naming it (``what[i]``)."""
+        the chat template; a malformed message is refused naming it (``what[i]``). ``options``:
+        ``chat_template``, ``chat_template_kwargs``, ``continue_final_message``, as
+        :meth:`chat` takes them."""
+        kwargs = template_kwargs(add_generation_prompt=add_generation_prompt, **options)
+        self._check_chat_template(kwargs["chat_template"])
         text = self.tokenizer.apply_chat_template(chat_messages(conversation, what), tools=tools or None,
-                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
+                                                  tokenize=False, **kwargs)
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        """The token ids of a conversation (and ``tools``) through the chat template."""
-        return self.chat_prompt(conversation, add_generation_prompt, tools=tools)["prompt_token_ids"]
+                            tools: list[dict] | None = None, **options) -> list[int]:
+        """The token ids of a conversation (and ``tools``) through the chat template
+        (``options``: as :meth:`chat_prompt` takes them)."""
+        return self.chat_prompt(conversation, add_generation_prompt, tools=tools, **options)["prompt_token_ids"]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated (deltas of the first completion).

@@ -251,7 +251,22 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or "", **extra}
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat template options of a request (:mod:`jaxpaged.chat_template`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # only where the server trusts requests' templates
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """The options as :meth:`jaxpaged.LLM.chat_prompt` takes them (unchecked)."""
+        return {"add_generation_prompt": self.add_generation_prompt, "chat_template": self.chat_template,
+                "chat_template_kwargs": self.chat_template_kwargs,
+                "continue_final_message": self.continue_final_message}
+
+
+class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -259,7 +274,6 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
@@ -315,7 +329,7 @@ class ChatCompletionRequest(OpenAIRequest):
         return [m.as_template_dict() for m in self.messages]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's ``POST /tokenize``: a ``prompt`` (tokenized as ``/v1/completions`` would, with
     ``add_special_tokens``) or chat ``messages`` (through the chat template, as
     ``/v1/chat/completions`` would)."""
@@ -327,7 +341,6 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     tools: Any = None  # given to the chat template, as /v1/chat/completions does
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     def check(self) -> None:

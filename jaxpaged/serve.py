@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxpaged.chat_template import check_syntax, load_chat_template, template_kwargs
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, chat_logprobs, chat_response, completion_response, invalid)
@@ -52,17 +53,22 @@ _TYPE_IN_LOC = re.compile(r"(str|int|float|bool|none|dict|list)(\[.*\])?")
 
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
-              tool_call_parser: str | None = None, responses_store_size: int = 1024):
+              tool_call_parser: str | None = None, responses_store_size: int = 1024, chat_template: str | None = None,
+              trust_request_chat_template: bool = False):
     """The FastAPI app serving ``engine`` under the name ``served_model_name``; with
     ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``. With
     ``tool_call_parser`` (one of :data:`~jaxpaged.tool_calling.TOOL_PARSERS`), chat requests may
     let the model call tools on its own (``tool_choice`` ``"auto"``); named and required tool
     choices need no parser. ``/v1/responses`` keeps the ``responses_store_size`` most recent
-    stored responses (see :mod:`jaxpaged.openai_responses`)."""
+    stored responses (see :mod:`jaxpaged.openai_responses`). ``chat_template`` (a Jinja
+    template) replaces the model's; a request's own ``chat_template`` is refused unless
+    ``trust_request_chat_template``."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     if responses_store_size < 0:
         raise ValueError(f"responses_store_size must be at least 0, got {responses_store_size}")
+    if chat_template is not None:
+        check_syntax(chat_template)
     metrics = Metrics(engine)
     engine.stat_loggers.append(metrics.record)
     responses_store = ResponseStore(responses_store_size)
@@ -180,17 +186,31 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         events = completion_events(engine, rid, model, streams, body, params.stop, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
-    async def chat_token_ids(messages: list[dict[str, Any]], add_generation_prompt: bool, tools=None) -> list[int]:
+    async def chat_token_ids(messages: list[dict[str, Any]], tools=None, options: dict[str, Any] | None = None
+                             ) -> list[int]:
+        """The ids of ``messages`` through the chat template: the request's (``options``, as
+        ``LLM.chat_prompt`` takes them), the server's ``chat_template``, or the model's."""
+        options = {"add_generation_prompt": True, **(options or {})}
+        if options.get("chat_template") is not None and not trust_request_chat_template:
+            raise APIError(400, "chat_template: this server does not take requests' chat templates (start it with "
+                           "--trust-request-chat-template)", param="chat_template", code="invalid_value")
+        if options.get("chat_template") is None:
+            options["chat_template"] = chat_template
         tok = engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if tok is None or (options["chat_template"] is None and not getattr(tok, "chat_template", None)):
+            raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
+                           "--chat-template", param="messages")
+        try:
+            template_kwargs(**options)
+        except (ValueError, TypeError) as e:
+            raise invalid(e) from None
         try:
             chat_messages(messages)  # here, not only on the tokenizer thread: its errors name the message
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         try:
-            return await engine.run_on_tokenizer_thread(engine.llm.apply_chat_template, messages,
-                                                        add_generation_prompt, tools)
+            return await engine.run_on_tokenizer_thread(
+                functools.partial(engine.llm.apply_chat_template, messages, tools=tools, **options))
         except EngineDeadError:
             raise
         except Exception as e:  # the template's own check (e.g. roles that must alternate)
@@ -205,7 +225,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         params = checked_params(body)
         tool_calls = body.tool_calls(tool_call_parser)
-        ids = await chat_token_ids(body.conversation(), body.add_generation_prompt, body.tools)
+        ids = await chat_token_ids(body.conversation(), body.tools, body.template_options())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = await add([{"prompt_token_ids": ids}], params, rid, body)
@@ -227,7 +247,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             chat = body.chat_request(previous)
             params = checked_params(chat)
             tool_calls = chat.tool_calls(tool_call_parser)
-            ids = await chat_token_ids(chat.conversation(), True, chat.tools)
+            ids = await chat_token_ids(chat.conversation(), chat.tools)
             rid, created = new_response_id(), now()
             streams = await add([{"prompt_token_ids": ids}], params, rid, chat, max_tokens_param="max_output_tokens")
         except APIError as e:
@@ -292,8 +312,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     check_tools(body.tools)
                 except (ValueError, TypeError) as e:
                     raise APIError(400, str(e), param="tools", code="invalid_value") from None
-            ids = await chat_token_ids([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
-                                       body.tools)
+            ids = await chat_token_ids([m.as_template_dict() for m in body.messages], body.tools,
+                                       body.template_options())
         else:
             try:
                 ids = await engine.run_on_tokenizer_thread(
@@ -398,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="the model's tool call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen) or "
                         "llama3_json (Llama 3.1-3.3's JSON calls)")
+    p.add_argument("--chat-template",
+                   help="the chat template to use instead of the model's: a file, or the Jinja template itself")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests bring their own chat_template (refused by default)")
     add_engine_args(p)
     return p
 
@@ -416,6 +440,10 @@ def run(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.responses_store_size < 0:
         parser.error(f"--responses-store-size must be at least 0, got {args.responses_store_size}")
+    try:
+        template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    except (OSError, ValueError, TypeError) as e:
+        parser.error(str(e))
     from jaxpaged.cli import engine_kwargs
     from jaxpaged.engine import LLM
 
@@ -424,7 +452,8 @@ def run(argv: list[str] | None = None) -> int:
     engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser,
-                    responses_store_size=args.responses_store_size)
+                    responses_store_size=args.responses_store_size, chat_template=template,
+                    trust_request_chat_template=args.trust_request_chat_template)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -95,6 +95,28 @@ def test_stdin_dash_beside_prompts_and_option_errors_name_the_line(capsys, monke
     assert "--system is a chat option: add --chat" in capsys.readouterr().err
 
 
+def test_chat_template_from_a_file_or_the_command_line(capsys, monkeypatch, tmp_path, tiny_engine_folder):
+    argv = ["--model", str(tiny_engine_folder), "--json", "--max-tokens", "1", "--chat"]
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_engine_folder)
+    for template, prompt in [(str(f), "<system>Be brief.<user>hey"), (r"{{ messages[-1].content }}\n!", "hey\n!")]:
+        code, out, err = run(capsys, monkeypatch, argv + ["--system", "Be brief.", "--chat-template", template, "hey"])
+        assert code == 0, err
+        assert json.loads(out.splitlines()[0])["num_prompt_tokens"] == len(tok(prompt, add_special_tokens=False)[
+            "input_ids"])
+    for bad, match in [("/nonexistent/t.jinja", "no such file, and it is not a template"),
+                       ("{% for %}", "--chat-template is not a valid Jinja template")]:
+        with pytest.raises(SystemExit):
+            main(argv + ["--chat-template", bad, "x"])
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(argv[:-1] + ["--chat-template", str(f), "x"])
+    assert "--chat-template is a chat option: add --chat" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--temperature", "-1", "x"], "temperature"),
     (["--block-size", "3", "x"], "block_size=3 must be a power of two"),

@@ -254,6 +254,40 @@ def test_chat_and_generate_helpers(tiny_engine_model, tiny_engine_folder):
         jaxpaged.generate("x", model=tiny_engine_folder, temprature=0)
 
 
+def test_chat_template_options(tiny_engine_model):
+    """vLLM's ``LLM.chat`` options: a template of one's own, the template's variables, and a
+    final message continued instead of a new turn; bad ones refused by name before any work."""
+    llm = make(tiny_engine_model)
+    conv = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, I am"}]
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if name %} ({{ name }}){% endif %}"
+    params = GREEDY.replace(max_tokens=2)
+    out = llm.chat(conv, params, use_tqdm=False, chat_template=template, chat_template_kwargs={"name": "Ann"})[0]
+    assert out.prompt == "[user]Hi![assistant]Hello, I am (Ann)" and len(out.outputs[0].token_ids) == 2
+    cont = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("Hello, I am") and cont.prompt.startswith("<|im_start|>")
+    new_turn = llm.chat(conv, params, use_tqdm=False)[0].prompt
+    assert new_turn.startswith(cont.prompt) and new_turn.endswith("<|im_start|>assistant\n")
+    for options, exc, match in [
+        (dict(continue_final_message=True), ValueError, "continue_final_message and add_generation_prompt"),
+        (dict(chat_template="{% if %}"), ValueError, "chat_template is not a valid Jinja template"),
+        (dict(chat_template=3), TypeError, "chat_template must be a non-empty str"),
+        (dict(chat_template_kwargs={"add_generation_prompt": False}), ValueError,
+         r"chat_template_kwargs\['add_generation_prompt'\]: add_generation_prompt is not the template's"),
+        (dict(chat_template_kwargs="x"), TypeError, "chat_template_kwargs must be a dict"),
+        (dict(continue_final_message=1, add_generation_prompt=False), TypeError, "continue_final_message must be"),
+    ]:
+        with pytest.raises(exc, match=match):
+            llm.chat(conv, params, use_tqdm=False, **options)
+    assert not llm.has_unfinished_requests()
+    llm.tokenizer.chat_template, saved = None, llm.tokenizer.chat_template
+    try:
+        with pytest.raises(ValueError, match="chat_template: this model has none of its own"):
+            llm.chat(conv, params, use_tqdm=False)
+        assert llm.chat(conv, params, use_tqdm=False, chat_template=template)[0].prompt.startswith("[user]")
+    finally:
+        llm.tokenizer.chat_template = saved
+
+
 def test_compiled_shapes_bounded_over_mixed_workload(small_vocab_engine_model):
     rng = np.random.default_rng(0)
     llm = make(small_vocab_engine_model, debug_checks=False, max_num_seqs=32, max_num_batched_tokens=128,

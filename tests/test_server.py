@@ -353,6 +353,47 @@ def test_tokenize_gives_the_ids_the_endpoints_run(http, client, offline):
     assert http.post("/detokenize", json={"model": MODEL, "tokens": bare}).json() == {"prompt": PROMPTS[4]}
 
 
+def test_chat_template_options_reach_the_template(srv, http, client, offline, tiny_engine_model):
+    """``chat_template_kwargs`` are the template's variables, ``continue_final_message`` continues
+    the last message, ``--chat-template`` replaces the model's template for every chat request
+    (chat, Responses, /tokenize), and a request's own ``chat_template`` is taken only where the
+    server trusts it: the ids each endpoint runs are the offline LLM's for the same options."""
+    tok = offline.tokenizer
+    flag = "{% if shout %}SHOUT {% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    r = http.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"custom_var": 1}}).json()
+    assert r["tokens"] == offline.apply_chat_template(CHAT)  # a variable the template does not use: no change
+    prefix = [*CHAT, {"role": "assistant", "content": "Paged attention is"}]
+    cont = http.post("/tokenize", json={"messages": prefix, "continue_final_message": True,
+                                        "add_generation_prompt": False}).json()["tokens"]
+    assert cont == offline.apply_chat_template(prefix, False, continue_final_message=True)
+    assert tok.decode(cont).endswith("Paged attention is")  # no end of turn after it
+    reply = client.chat.completions.create(model=MODEL, messages=prefix, max_tokens=1, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    assert reply.usage.prompt_tokens == len(cont)
+    served = Running(LLM(tiny_engine_model, **ENGINE), chat_template=flag, trust_request_chat_template=True)
+    try:
+        with httpx.Client(base_url=served.url, headers=AUTH) as h:
+            shout = h.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"shout": True}}).json()
+            assert tok.decode(shout["tokens"]) == "SHOUT <system>Be brief.<user>What is paged attention?"
+            assert shout["tokens"] == offline.apply_chat_template(CHAT, chat_template=flag,
+                                                                  chat_template_kwargs={"shout": True})
+            plain = h.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+            assert tok.decode(plain) == "<system>Be brief.<user>What is paged attention?"
+            own = h.post("/tokenize", json={"messages": CHAT, "chat_template": "[{{ messages|length }}]"}).json()
+            assert tok.decode(own["tokens"]) == "[2]"
+            used = h.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).json()["usage"]
+            assert used["prompt_tokens"] == len(plain)
+            resp = h.post("/v1/responses", json={"input": CHAT[1]["content"], "instructions": CHAT[0]["content"],
+                                                 "max_output_tokens": 1}).json()
+            assert resp["usage"]["input_tokens"] == len(plain)
+            _check_error(h.post("/tokenize", json={"messages": CHAT, "chat_template": "{% if %}"}), 400,
+                         r"^chat_template is not a valid Jinja template", "chat_template")
+    finally:
+        served.stop()
+    with pytest.raises(ValueError, match="chat_template is not a valid Jinja template"):
+        build_app(AsyncLLM(offline), served_model_name=MODEL, chat_template="{% for %}")
+
+
 def test_structured_outputs_are_served_as_the_offline_llm_runs_them(client, offline):
     """OpenAI's response_format and vLLM's structured_outputs / guided_* become the offline
     LLM's ``structured_outputs`` (the tiny random model: greedy text equal to the offline one's,
@@ -552,6 +593,14 @@ BAD = [  # (path, body, status, message pattern, param)
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
      r"^messages\[0\]\.tool_calls\[0\]\.function\.arguments is not JSON", "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages[0].content }}"}, 400,
+     r"^chat_template: this server does not take requests' chat templates", "chat_template"),
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, 400,
+     r"^continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400,
+     r"^chat_template_kwargs\['tokenize'\]: tokenize is not the template's to take", "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": ["x"]}, 400,
+     r"chat_template_kwargs", "chat_template_kwargs"),
     ("/v1/nowhere", {}, 404, r"Not Found", None),
 ]
 
@@ -620,9 +669,9 @@ def test_a_batch_beyond_the_queue_bound_is_served_and_templates_run_off_the_even
     # never stalls the other streams.
     threads, template = [], srv.engine.llm.apply_chat_template
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         threads.append(threading.current_thread().name)
-        return template(*args)
+        return template(*args, **kwargs)
 
     monkeypatch.setattr(srv.engine.llm, "apply_chat_template", spy)
     assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).usage.completion_tokens == 2
