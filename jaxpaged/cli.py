@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(max_tokens=128, temperature=0.0)
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",")], default=None)
+    s.add_argument("--include-stop-str-in-output", action="store_true", default=None,
+                   help="keep the stop string that ended a completion in its text")
     s.add_argument("--ignore-eos", action="store_true", default=None)
     s.add_argument("--beam-search", action="store_true", dest="use_beam_search", default=None)
     g = s.add_mutually_exclusive_group()  # structured outputs (SamplingParams.structured_outputs): one at most

@@ -9,26 +9,28 @@ incomplete UTF-8 sequence (U+FFFD).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 
 
-def stream_end(text: str, sent: int, stop: Sequence[str], finished: bool) -> int:
+def stream_end(text: str, sent: int, held: int, finished: bool) -> int:
     """How far a stream may send ``text`` (``sent`` characters out so far).
 
-    While the sequence runs its last ``len(longest stop string) - 1`` characters are held
-    back: they could still start a stop string, which would cut the text before it, and
-    what was sent stays sent. Used by ``LLM.stream`` and the server's streams alike.
+    While the sequence runs its last ``held`` characters are held back
+    (``SamplingParams.output_text_buffer_length``: ``len(longest stop string) - 1``): they
+    could still start a stop string, which would cut the text before it, and what was sent
+    stays sent. Used by ``LLM.stream`` and the server's streams alike.
     """
     if finished:
         return len(text)
-    return max(sent, len(text) - (max((len(s) for s in stop), default=1) - 1))
+    return max(sent, len(text) - held)
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, *, skip_special_tokens: bool, stop: list[str], min_tokens: int = 0):
+    def __init__(self, tokenizer, *, skip_special_tokens: bool, stop: list[str], min_tokens: int = 0,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""
@@ -46,8 +48,8 @@ class Detokenizer:
     def add(self, token_id: int) -> str | None:
         """Append a token; return the stop string it completed, if any.
 
-        On a stop string the text is truncated before it (vLLM's default); of several in
-        the new text, before the earliest. Stop strings count only once ``min_tokens``
+        On a stop string the text is truncated before it (vLLM's default; after it with
+        ``include_stop``); of several in the new text, at the earliest. Stop strings count only once ``min_tokens``
         tokens are out, as in ``check_stop``: a match before that neither truncates the
         text nor stops the sequence.
         """
@@ -70,5 +72,5 @@ class Detokenizer:
         if not found:
             return None
         i, k = min(found)
-        self.text = self.text[:i]
+        self.text = self.text[:i + len(self.stop[k]) if self.include_stop else i]
         return self.stop[k]

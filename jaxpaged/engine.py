@@ -355,7 +355,7 @@ class LLM:
                     continue
                 o = self.outputs.make_output(req)
                 text = o.outputs[0].text if o.outputs else ""
-                end = stream_end(text, sent, req.params.stop, o.finished)
+                end = stream_end(text, sent, req.params.output_text_buffer_length, o.finished)
                 if end > sent:
                     yield text[sent:end]
                     sent = end

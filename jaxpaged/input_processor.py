@@ -243,7 +243,8 @@ class InputProcessor:
         req = Request(request_id, text, ids, params, time.monotonic(), seed, beam)
         if self.tokenizer is not None:
             req.seqs[0].detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                            stop=params.stop, min_tokens=params.min_tokens)
+                                            stop=params.stop, min_tokens=params.min_tokens,
+                                            include_stop=params.include_stop_str_in_output)
         if params.structured_outputs is not None:
             req.seqs[0].matcher = self.grammars.matcher(self.grammars.compile(params.structured_outputs))
         return req

@@ -81,6 +81,7 @@ class OpenAIRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: str | None = None
@@ -173,7 +174,7 @@ class OpenAIRequest(BaseModel):
             return SamplingParams(
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, use_beam_search=self.use_beam_search,
                 length_penalty=self.length_penalty, cache_salt=self.cache_salt,
                 skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,

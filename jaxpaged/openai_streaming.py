@@ -47,8 +47,8 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 class _Deltas:
     """What each choice has sent so far; text that could still become a stop string is held back."""
 
-    def __init__(self, stop: list[str]):
-        self.stop = stop
+    def __init__(self, held: int):
+        self.held = held  # SamplingParams.output_text_buffer_length
         self.text: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
         self.done: set[int] = set()  # choices whose finish_reason went out: nothing more to send
@@ -60,7 +60,7 @@ class _Deltas:
         if finished:
             self.done.add(key)
         sent, first = self.text.get(key, 0), self.tokens.get(key, 0)
-        end = stream_end(text, sent, self.stop, finished)
+        end = stream_end(text, sent, self.held, finished)
         if end == sent and num_tokens == first and not finished:
             return None
         self.text[key], self.tokens[key] = end, num_tokens
@@ -95,10 +95,10 @@ async def _events(engine: AsyncLLM, streams: list[RequestStream], make_chunks, f
 
 
 def completion_events(engine, rid: str, model: str, streams, body: CompletionRequest,
-                      stop: list[str], decode) -> AsyncIterator[str]:
+                      held: int, decode) -> AsyncIterator[str]:
     """With ``echo``, a choice's first chunk leads with its prompt's text (and logprobs); with
     ``echo`` and ``max_tokens = 0`` that chunk, sent when the request finishes, is all of it."""
-    deltas = _Deltas(stop)
+    deltas = _Deltas(held)
     echoed: set[int] = set()
     offsets: dict[int, int] = {}  # where each choice's next logprob token's text_offset starts
 
@@ -134,10 +134,10 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
 
 
 def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionRequest,
-                stop: list[str], tool_calls: dict | None = None) -> AsyncIterator[str]:
+                held: int, tool_calls: dict | None = None) -> AsyncIterator[str]:
     """With ``tool_calls`` (``ToolCallStream``'s arguments) each choice's text goes through its
     own stream of calls: content deltas and ``tool_calls`` deltas, as the whole response has them."""
-    deltas = _Deltas(stop)
+    deltas = _Deltas(held)
     started: set[int] = set()
     calls: dict[int, ToolCallStream] = {}
 
@@ -171,11 +171,11 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
 
 
 async def response_events(engine, stream: RequestStream, rid: str, created: int, model: str, body,
-                          stop: list[str], tool_calls: dict | None, done) -> AsyncIterator[str]:
+                          held: int, tool_calls: dict | None, done) -> AsyncIterator[str]:
     """The Responses API's events for one reply (``body``: the ``ResponsesRequest``); ``done(response)``
     is called with the finished response before its last event (to store it)."""
     seq = itertools.count()
-    deltas, calls = _Deltas(stop), reply_stream(tool_calls)
+    deltas, calls = _Deltas(held), reply_stream(tool_calls)
     items = OutputItems(text_only=calls is None)
     try:
         started = response_body(rid, created, model, body, status="in_progress", output=[])

@@ -54,6 +54,8 @@ class SamplingParams:
         seed: seed of this request's random stream; ``None`` lets the engine pick one.
         stop: strings that end the completion when produced (not part of the output).
         stop_token_ids: token ids that end the completion (the token is kept).
+        include_stop_str_in_output: the stop string that ended the completion stays at the end
+            of its text (what came after it in the same token does not).
         ignore_eos: keep generating after the EOS token.
         max_tokens: most tokens to generate; ``None`` runs to the model's length limit.
         min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many tokens.
@@ -81,6 +83,7 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -143,7 +146,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):
             need(name, _is_real(getattr(self, name)), "a real number")
-        for name in ("ignore_eos", "use_beam_search", "skip_special_tokens"):
+        for name in ("ignore_eos", "use_beam_search", "skip_special_tokens", "include_stop_str_in_output"):
             need(name, isinstance(getattr(self, name), bool), "a bool")
         need("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "a str or None")
         stop = self.stop
@@ -229,6 +232,15 @@ class SamplingParams:
         """True when sampling depends on the tokens generated so far (repetition, presence or
         frequency penalty)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a stream holds back while the sequence runs: the end of the text that could
+        still begin a stop string, which would cut the text before it (none when the stop
+        string stays in the text)."""
+        if self.include_stop_str_in_output or not self.stop:
+            return 0
+        return max(len(s) for s in self.stop) - 1
 
     @property
     def max_num_logprobs(self) -> int:

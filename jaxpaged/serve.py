@@ -183,7 +183,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = await add(body.prompts(), params, rid, body)
-        events = completion_events(engine, rid, model, streams, body, params.stop, decode) if body.stream else None
+        events = completion_events(engine, rid, model, streams, body, params.output_text_buffer_length, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
     async def chat_token_ids(messages: list[dict[str, Any]], tools=None, options: dict[str, Any] | None = None
@@ -229,7 +229,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = await add([{"prompt_token_ids": ids}], params, rid, body)
-        events = chat_events(engine, rid, model, streams[0], body, params.stop, tool_calls) if body.stream else None
+        events = chat_events(engine, rid, model, streams[0], body, params.output_text_buffer_length, tool_calls) if body.stream else None
         return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body, tool_calls))
 
     @app.post("/v1/responses")
@@ -261,7 +261,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
         if body.stream:
             return _EngineStream(response_events(engine, streams[0], rid, created, served_model_name, body,
-                                                 params.stop, tool_calls, done), engine, streams)
+                                                 params.output_text_buffer_length, tool_calls, done), engine, streams)
 
         def finish(outs: list[RequestOutput]) -> dict:
             out, calls = outs[0], reply_stream(tool_calls)

@@ -231,6 +231,20 @@ def test_stop_strings(client, offline, stream):
     else:
         c = client.completions.create(model=MODEL, **kw).choices[0]
         assert (c.text, c.finish_reason, c.stop_reason) == (expected, "stop", stop)
+    kept = dict(kw, extra_body={"include_stop_str_in_output": True})  # vLLM's: the stop string stays in the text
+    if stream:
+        texts, finish, _ = _stream_completion(client, **kept)
+        assert (texts[0], finish[0]) == (expected + stop, "stop")
+        chat = _stream_chat(client, messages=CHAT, max_tokens=24, temperature=0, **{k: kept[k] for k in (
+            "stop", "extra_body")})[0][0]
+    else:
+        c = client.completions.create(model=MODEL, **kept).choices[0]
+        assert (c.text, c.finish_reason, c.stop_reason) == (expected + stop, "stop", stop)
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
+                                              stop=kept["stop"], extra_body=kept["extra_body"]).choices[0].message.content
+    free = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0).choices[0]
+    at = free.message.content.find(stop)
+    assert chat == (free.message.content if at < 0 else free.message.content[:at + len(stop)])
     # Under min_tokens a match neither stops nor cuts the text: "ab" (one token) is forced every step, so "ba"
     # is there from the second token on but counts only from the fourth.
     ab = offline.tokenizer.encode("ab", add_special_tokens=False)[0]
@@ -750,7 +764,7 @@ def test_a_finished_choice_is_sent_once():
     other choices run on (the stream would show it finishing again every step)."""
     from jaxpaged.openai_streaming import _Deltas
 
-    d = _Deltas(["STOP"])
+    d = _Deltas(len("STOP") - 1)
     assert d.next(0, "abcdef", 3, False) == ("abc", 0)  # 3 characters held back: could start "STOP"
     assert d.next(0, "abcdefg", 4, True) == ("defg", 3)
     assert d.next(0, "abcdefg", 4, True) is None

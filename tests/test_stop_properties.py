@@ -40,7 +40,8 @@ def draw_params(data, likely) -> SamplingParams:
         logit_bias={t: data.draw(st.floats(8.0, 14.0), f"bias {t}") for t in biased},
         ignore_eos=data.draw(st.booleans(), "ignore_eos"),
         stop=data.draw(st.lists(st.sampled_from(stops), min_size=1, max_size=3, unique=True), "stop"),
-        stop_token_ids=data.draw(st.lists(st.sampled_from(biased), max_size=2, unique=True), "stop_token_ids"))
+        stop_token_ids=data.draw(st.lists(st.sampled_from(biased), max_size=2, unique=True), "stop_token_ids"),
+        include_stop_str_in_output=data.draw(st.booleans(), "include_stop_str_in_output"))
     if data.draw(st.booleans(), "sampled"):
         p = p.replace(temperature=data.draw(st.sampled_from([0.5, 1.0])), seed=data.draw(st.integers(0, 2**31)),
                       n=data.draw(st.integers(1, 2)))
@@ -61,17 +62,21 @@ def check_output(llm, p: SamplingParams, c, num_prompt_tokens: int) -> None:
         assert c.finish_reason == "stop" and n >= p.min_tokens and ids[-1] in stop_ids
         assert c.stop_reason == (ids[-1] if ids[-1] in p.stop_token_ids else None)
         assert c.text == decode(ids[:-1])
-    else:  # a stop string: the text stops right before it
+    else:  # a stop string: the text stops right before it (right after it, kept)
         assert c.finish_reason == "stop" and c.stop_reason in p.stop and n >= p.min_tokens
-        assert decode(ids).startswith(c.text + c.stop_reason)
+        kept = c.stop_reason if p.include_stop_str_in_output else ""
+        assert c.text.endswith(kept) and decode(ids).startswith(c.text + c.stop_reason[len(kept):])
     # Stop strings count from min_tokens on: none may end past the text of the first
-    # min_tokens - 1 tokens (the min_tokens-th token's text is the first that can end one).
+    # min_tokens - 1 tokens (the min_tokens-th token's text is the first that can end one),
+    # but the one kept at the end.
     early = len(decode(ids[:max(p.min_tokens - 1, 0)]))
+    text = c.text[:len(c.text) - len(c.stop_reason)] if p.include_stop_str_in_output and isinstance(
+        c.stop_reason, str) else c.text
     for s in p.stop:
-        i = c.text.find(s)
+        i = text.find(s)
         while i != -1:
             assert i + len(s) <= early, (s, c.text, early)
-            i = c.text.find(s, i + 1)
+            i = text.find(s, i + 1)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)

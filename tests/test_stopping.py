@@ -50,8 +50,8 @@ class Letters:  # a tokenizer whose token i is the text WORDS[i]
         return "".join(self.WORDS[i] for i in ids)
 
 
-def detokenize(ids, stop, min_tokens=0):
-    d = Detokenizer(Letters(), skip_special_tokens=True, stop=stop, min_tokens=min_tokens)
+def detokenize(ids, stop, min_tokens=0, include_stop=False):
+    d = Detokenizer(Letters(), skip_special_tokens=True, stop=stop, min_tokens=min_tokens, include_stop=include_stop)
     for n, t in enumerate(ids, 1):
         if (s := d.add(t)) is not None:
             return d.text, s, n
@@ -67,3 +67,20 @@ def detokenize(ids, stop, min_tokens=0):
 ])
 def test_detokenizer_stop_strings(ids, stop, min_tokens, want):
     assert detokenize(ids, stop, min_tokens) == want
+
+
+@pytest.mark.parametrize("ids, stop, want", [
+    ([0], ["e", "a"], ("pa", "a", 1)),  # the earliest match kept, what followed in the token not
+    ([1, 1, 2], ["bc", "ba"], ("aba", "ba", 2)),
+    ([0, 1], ["rnal"], ("paternal", "rnal", 1)),
+])
+def test_a_stop_string_kept_in_the_output_ends_it(ids, stop, want):
+    assert detokenize(ids, stop, include_stop=True) == want
+
+
+def test_a_stream_holds_back_only_what_could_still_be_cut():
+    assert SamplingParams(stop=["abc", "x"]).output_text_buffer_length == 2
+    assert SamplingParams(stop=["abc"], include_stop_str_in_output=True).output_text_buffer_length == 0
+    assert SamplingParams().output_text_buffer_length == 0
+    with pytest.raises(TypeError, match="include_stop_str_in_output must be a bool"):
+        SamplingParams(include_stop_str_in_output=1)
