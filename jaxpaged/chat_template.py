@@ -9,21 +9,29 @@ the name of the option at fault. No jax here.
 
 from __future__ import annotations
 
-import codecs
+import functools
+import inspect
 from pathlib import Path
 from typing import Any
 
-# transformers' ``apply_chat_template`` parameters (and the template's ``messages``): not for
-# ``chat_template_kwargs`` to set.
-RESERVED_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+class ChatTemplateError(ValueError):
+    """A chat template that does not compile (its message starts with the option's name)."""
+
+
+@functools.cache
+def reserved_kwargs() -> frozenset[str]:
+    """Names ``chat_template_kwargs`` may not set: ``apply_chat_template``'s own parameters (in
+    the installed transformers) and the template's ``messages``."""
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(name for name, p in params.items() if p.kind != p.VAR_KEYWORD) | {"messages"}
 
 
 def check_syntax(template: str, what: str = "chat_template") -> str:
     """``template`` if it is a str that compiles as transformers compiles chat templates (its
-    sandbox and extensions), else an error naming ``what``."""
+    sandbox and extensions), else an error naming ``what``. Compiling a big template takes
+    a while (~1 s for 50 KB): the server does it on its tokenizer thread."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -32,7 +40,9 @@ def check_syntax(template: str, what: str = "chat_template") -> str:
     try:
         _compile_jinja_template(template)  # (cached: the render compiles it once)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"{what} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+        raise ChatTemplateError(f"{what} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    except (SyntaxError, RecursionError, MemoryError) as e:  # nesting deeper than Python compiles
+        raise ChatTemplateError(f"{what} is not a usable Jinja template: {type(e).__name__}: {e}") from None
     return template
 
 
@@ -48,13 +58,18 @@ def load_chat_template(value: str) -> str:
         return check_syntax(path.read_text(encoding="utf-8"), f"--chat-template {value}")
     if not any(c in value for c in "{}\n"):
         raise FileNotFoundError(f"--chat-template {value!r}: no such file, and it is not a template")
-    return check_syntax(codecs.decode(value, "unicode_escape"), "--chat-template")
+    try:  # escapes such as \n decoded, other characters kept as they are
+        template = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template: a bad escape in the template: {e.reason}") from None
+    return check_syntax(template, "--chat-template")
 
 
 def template_kwargs(*, add_generation_prompt: Any = True, continue_final_message: Any = False,
-                    chat_template: Any = None, chat_template_kwargs: Any = None) -> dict[str, Any]:
+                    chat_template: Any = None, chat_template_kwargs: Any = None,
+                    compile: bool = True) -> dict[str, Any]:
     """The keyword arguments of ``apply_chat_template`` (less the conversation and tools) for
-    these options, checked."""
+    these options, checked (``compile``: ``chat_template`` compiled too, else only its type)."""
     for name, value in (("add_generation_prompt", add_generation_prompt),
                         ("continue_final_message", continue_final_message)):
         if not isinstance(value, bool):
@@ -62,8 +77,10 @@ def template_kwargs(*, add_generation_prompt: Any = True, continue_final_message
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the reply either "
                          "continues the last message or opens a new turn (set add_generation_prompt to false)")
-    if chat_template is not None:
+    if chat_template is not None and compile:
         check_syntax(chat_template)
+    elif chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+        raise TypeError(f"chat_template must be a non-empty str (a Jinja template), got {chat_template!r:.80}")
     extra = {}
     if chat_template_kwargs is not None:
         if not isinstance(chat_template_kwargs, dict):
@@ -72,7 +89,7 @@ def template_kwargs(*, add_generation_prompt: Any = True, continue_final_message
         for key in chat_template_kwargs:
             if not isinstance(key, str) or not key.isidentifier():
                 raise ValueError(f"chat_template_kwargs[{key!r}]: a template variable's name must be an identifier")
-            if key in RESERVED_KWARGS:
+            if key in reserved_kwargs():
                 raise ValueError(f"chat_template_kwargs[{key!r}]: {key} is not the template's to take (set it by "
                                  "its own option, if it has one)")
         extra = dict(chat_template_kwargs)

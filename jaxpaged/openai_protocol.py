@@ -260,6 +260,12 @@ class ChatTemplateFields(BaseModel):
     chat_template: str | None = None  # only where the server trusts requests' templates
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def reply_role(self) -> str:
+        """The reply's role, as vLLM gives it: the assistant's, or with no new turn opened
+        (``add_generation_prompt`` false) the last message's, which the reply continues."""
+        messages = getattr(self, "messages", None)
+        return "assistant" if self.add_generation_prompt or not messages else messages[-1].role
+
     def template_options(self) -> dict[str, Any]:
         """The options as :meth:`jaxpaged.LLM.chat_prompt` takes them (unchecked)."""
         return {"add_generation_prompt": self.add_generation_prompt, "chat_template": self.chat_template,
@@ -445,15 +451,15 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
             "choices": choices, "usage": usage(outputs, echo_only=req.echo_only)}
 
 
-def chat_message(c: CompletionOutput, tool_calls: dict | None) -> tuple[dict, str | None]:
+def chat_message(c: CompletionOutput, tool_calls: dict | None, role: str = "assistant") -> tuple[dict, str | None]:
     """A choice's ``message`` and ``finish_reason``; with ``tool_calls`` (``ToolCallStream``'s
     arguments) the calls found in its text, as the streamed deltas give them."""
     reason = FINISH_REASONS.get(c.finish_reason)
     if tool_calls is None:
-        return {"role": "assistant", "content": c.text}, reason
+        return {"role": role, "content": c.text}, reason
     stream = ToolCallStream(**tool_calls)
     update = stream.feed(c.text, True)
-    message = {"role": "assistant", "content": update.content or None}
+    message = {"role": role, "content": update.content or None}
     if stream.calls:
         message["tool_calls"] = [call.as_dict() for call in stream.calls]
     return message, stream.finish_reason(reason)
@@ -463,7 +469,7 @@ def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatComp
                   tool_calls: dict | None = None) -> dict:
     choices = []
     for c in out.outputs:
-        message, reason = chat_message(c, tool_calls)
+        message, reason = chat_message(c, tool_calls, req.reply_role())
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
                         "finish_reason": reason, "stop_reason": c.stop_reason})

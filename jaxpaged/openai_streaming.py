@@ -145,7 +145,7 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
         for c in out.outputs:
             if c.index not in started:  # OpenAI's first delta of a choice carries the role
                 started.add(c.index)
-                yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"role": body.reply_role(), "content": ""},
                                                   "logprobs": None, "finish_reason": None}])
             d = deltas.next(c.index, c.text, len(c.token_ids), c.finish_reason is not None)
             if d is None:

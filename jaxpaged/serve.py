@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxpaged.chat_template import check_syntax, load_chat_template, template_kwargs
+from jaxpaged.chat_template import ChatTemplateError, check_syntax, load_chat_template, template_kwargs
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeRequest, chat_logprobs, chat_response, completion_response, invalid)
@@ -201,7 +201,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
                            "--chat-template", param="messages")
         try:
-            template_kwargs(**options)
+            template_kwargs(**options, compile=False)  # a request's template compiles on the tokenizer thread
         except (ValueError, TypeError) as e:
             raise invalid(e) from None
         try:
@@ -213,8 +213,12 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 functools.partial(engine.llm.apply_chat_template, messages, tools=tools, **options))
         except EngineDeadError:
             raise
+        except ChatTemplateError as e:
+            raise invalid(e) from None
         except Exception as e:  # the template's own check (e.g. roles that must alternate)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            own = options["chat_template"] is not chat_template or options.get("chat_template_kwargs")
+            raise APIError(400, f"the chat template rejected the messages: {e}",
+                           param=None if own else "messages") from None  # (a request's own template or variables)
 
     def tokenizer():
         if engine.tokenizer is None:

@@ -102,7 +102,8 @@ def test_chat_template_from_a_file_or_the_command_line(capsys, monkeypatch, tmp_
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_engine_folder)
-    for template, prompt in [(str(f), "<system>Be brief.<user>hey"), (r"{{ messages[-1].content }}\n!", "hey\n!")]:
+    for template, prompt in [(str(f), "<system>Be brief.<user>hey"), (r"{{ messages[-1].content }}\n!", "hey\n!"),
+                             ("é{{ messages[-1].content }}", "éhey")]:
         code, out, err = run(capsys, monkeypatch, argv + ["--system", "Be brief.", "--chat-template", template, "hey"])
         assert code == 0, err
         assert json.loads(out.splitlines()[0])["num_prompt_tokens"] == len(tok(prompt, add_special_tokens=False)[

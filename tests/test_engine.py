@@ -274,6 +274,9 @@ def test_chat_template_options(tiny_engine_model):
         (dict(chat_template_kwargs={"add_generation_prompt": False}), ValueError,
          r"chat_template_kwargs\['add_generation_prompt'\]: add_generation_prompt is not the template's"),
         (dict(chat_template_kwargs="x"), TypeError, "chat_template_kwargs must be a dict"),
+        (dict(chat_template_kwargs={"self": 1}), ValueError, r"chat_template_kwargs\['self'\]"),
+        (dict(chat_template="{% if 1 %}" * 120 + "x" + "{% endif %}" * 120), ValueError,
+         "chat_template is not a usable Jinja template"),  # deeper than Python compiles
         (dict(continue_final_message=1, add_generation_prompt=False), TypeError, "continue_final_message must be"),
     ]:
         with pytest.raises(exc, match=match):

@@ -402,6 +402,16 @@ def test_chat_template_options_reach_the_template(srv, http, client, offline, ti
             assert resp["usage"]["input_tokens"] == len(plain)
             _check_error(h.post("/tokenize", json={"messages": CHAT, "chat_template": "{% if %}"}), 400,
                          r"^chat_template is not a valid Jinja template", "chat_template")
+            deep = "{% if 1 %}" * 120 + "x" + "{% endif %}" * 120
+            _check_error(h.post("/v1/chat/completions", json={"messages": CHAT, "chat_template": deep}), 400,
+                         r"^chat_template is not a usable Jinja template", "chat_template")
+            # No new turn: the reply continues the last message, in its role (vLLM's).
+            for stream in (False, True):
+                body = {"messages": CHAT, "add_generation_prompt": False, "max_tokens": 2, "stream": stream}
+                r = h.post("/v1/chat/completions", json=body)
+                role = (json.loads(r.text.split("\n")[0].removeprefix("data: "))["choices"][0]["delta"]["role"]
+                        if stream else r.json()["choices"][0]["message"]["role"])
+                assert role == "user", r.text
     finally:
         served.stop()
     with pytest.raises(ValueError, match="chat_template is not a valid Jinja template"):
