@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--seed-engine", type=int, default=0, dest="engine_seed")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule each step only after the previous one finished (default: while it runs)")
+    e.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto (the model folder's generation_config.json, as vLLM), "
+                        "vllm (jaxpaged's own), or a folder holding a generation_config.json")
     e.add_argument("--speculative-config", type=_json_object,
                    help='speculative decoding with n-gram drafts, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
@@ -82,7 +85,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, seed=args.engine_seed,
                 tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling,
                 kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size,
-                enable_dp_attention=args.enable_dp_attention, speculative_config=args.speculative_config)
+                enable_dp_attention=args.enable_dp_attention, speculative_config=args.speculative_config,
+                generation_config=args.generation_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from jaxpaged.detokenizer import stream_end
 from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
+from jaxpaged.generation_config import default_sampling_overrides
 from jaxpaged.input_processor import InputProcessor, PromptType, chat_messages, pair_prompts
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
@@ -103,6 +104,11 @@ class LLM:
         the tokens that followed the latest earlier occurrence of its last few tokens, and
         one step checks them all; outputs stay the ones decoding without it gives. Pays
         where outputs repeat their input or themselves (edits, extraction, code). None: off.
+      generation_config: ``"auto"``: the sampling defaults the model folder's
+        ``generation_config.json`` sets (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens) are those of requests that give no parameters,
+        as in vLLM (:mod:`jaxpaged.generation_config`); ``"vllm"``: jaxpaged's own; or a
+        folder whose ``generation_config.json`` to take.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int | None = None,
@@ -112,7 +118,7 @@ class LLM:
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
                  kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False,
-                 speculative_config: SpeculativeConfig | dict | None = None):
+                 speculative_config: SpeculativeConfig | dict | None = None, generation_config: str | Path = "auto"):
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
@@ -124,6 +130,9 @@ class LLM:
             raise ValueError("enable_dp_attention needs data_parallel_size > 1 (the replicas it runs as one program)")
         if enable_dp_attention and replica_devices[0].platform != "cpu":
             raise ValueError(f"enable_dp_attention runs on CPU devices only, not {replica_devices[0].platform}")
+        source = model.source if isinstance(model, LoadedModel) else Path(model).expanduser() if isinstance(
+            model, (str, Path)) else None
+        overrides = default_sampling_overrides(generation_config, source)  # a bad one fails before loading
         if isinstance(model, LoadedModel):
             # Sharded, then in the form it runs in (shared by engines over the same model).
             lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
@@ -137,6 +146,7 @@ class LLM:
             block_size = default_block_size(lm.model.platform, attention_backend)
             args = dataclasses.replace(args, block_size=block_size)
         self.args, self.loaded, self.config, self.tokenizer = args, lm, lm.config, lm.tokenizer
+        self.default_sampling_overrides = overrides
         self.tensor_parallel_size, self.block_size = tensor_parallel_size, block_size
         cfg = lm.config
         self.max_model_len = args.model_len(cfg.max_position_embeddings)
@@ -189,12 +199,18 @@ class LLM:
         self.core = EngineCore(self.scheduler, self.runner, debug_checks=debug_checks,
                                async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
-                                     check_request=self.scheduler.check_request, seed=seed, eos_ids=self.eos_ids)
+                                     check_request=self.scheduler.check_request, seed=seed, eos_ids=self.eos_ids,
+                                     default_params=self.get_default_sampling_params())
         self.outputs = OutputProcessor(self.tokenizer)
         self._unclaimed: dict[str, Request] = {}  # changed since step() last returned them
         self._claimed: dict[str, dict[str, Request]] = {}  # generate/stream requests -> their inbox
 
     # ---- requests and the step ------------------------------------------------------
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters of a request that gives none (vLLM's): jaxpaged's defaults with what
+        the model's generation config sets (``generation_config``)."""
+        return SamplingParams(**self.default_sampling_overrides)
 
     def _live(self) -> ChainMap:
         """Ids in use: running, or finished with an output not yet delivered."""
@@ -396,7 +412,8 @@ class LLM:
 
 def generate(prompts: PromptType | Seq[PromptType], model: str | Path | LoadedModel | None = None,
              **kwargs) -> str | list[str]:
-    """One call from prompt(s) to text: ``kwargs`` go to ``LLM`` or ``SamplingParams`` by name.
+    """One call from prompt(s) to text: ``kwargs`` go to ``LLM`` or ``SamplingParams`` by name
+    (the sampling fields not given: the model's defaults, ``LLM.get_default_sampling_params``).
 
     Returns a str for a single str prompt, else a list of str (the first completion of each).
     """
@@ -405,8 +422,9 @@ def generate(prompts: PromptType | Seq[PromptType], model: str | Path | LoadedMo
     unknown = set(kwargs) - engine_names - sp_names - {"use_tqdm"}
     if unknown:
         raise TypeError(f"generate() got unknown options {sorted(unknown)}")
+    SamplingParams(**{k: v for k, v in kwargs.items() if k in sp_names})  # (its errors before loading)
     llm = LLM(model, **{k: v for k, v in kwargs.items() if k in engine_names})
-    params = SamplingParams(**{k: v for k, v in kwargs.items() if k in sp_names})
+    params = llm.get_default_sampling_params().replace(**{k: v for k, v in kwargs.items() if k in sp_names})
     outs = llm.generate(prompts, params, use_tqdm=kwargs.get("use_tqdm", False))
     texts = [o.outputs[0].text for o in outs]
     return texts[0] if isinstance(prompts, str) else texts

@@ -38,7 +38,7 @@ def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: Sa
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         return list(zip(prompts, sampling_params))
-    return [(p, sampling_params or SamplingParams()) for p in prompts]
+    return [(p, sampling_params) for p in prompts]  # (None: the engine's default, see InputProcessor)
 
 
 def check_unicode(text: str, what: str) -> None:
@@ -137,12 +137,15 @@ class InputProcessor:
         could never run such a request (the scheduler's ``check_request``).
       seed: seeds the seeds of requests that do not set one.
       eos_ids: the model's end-of-sequence tokens (what a complete structured output allows).
+      default_params: a request's parameters when it gives none (the model's generation config's,
+        see :mod:`jaxpaged.generation_config`).
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
                  check_request: Callable[[int, SamplingParams], None], seed: int = 0,
-                 eos_ids: Sequence[int] = ()):
+                 eos_ids: Sequence[int] = (), default_params: SamplingParams | None = None):
         self.tokenizer = tokenizer
+        self.default_params = SamplingParams() if default_params is None else default_params
         self.grammars = Grammars(tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -205,7 +208,7 @@ class InputProcessor:
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
         """
-        params = SamplingParams() if params is None else params
+        params = self.default_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.to_token_ids(prompt)

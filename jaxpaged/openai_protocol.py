@@ -148,9 +148,15 @@ class OpenAIRequest(BaseModel):
             raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, *,
-                constraint: dict | None = None, skip_special_tokens: bool | None = None) -> SamplingParams:
+                constraint: dict | None = None, skip_special_tokens: bool | None = None,
+                defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Raises ``APIError`` (400) with SamplingParams' message for an invalid value; ``constraint``:
-        the JSON schema of a named or required tool choice."""
+        the JSON schema of a named or required tool choice; ``defaults``: the model's generation
+        config's fields (``LLM.default_sampling_overrides``), for those the request leaves unset,
+        its ``max_tokens`` a cap (vLLM's rules)."""
+        defaults = defaults or {}
+        if defaults.get("max_tokens") is not None:
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
         structured = self._structured_outputs(constraint)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given when stream is true", param="stream_options",
@@ -168,8 +174,9 @@ class OpenAIRequest(BaseModel):
                 except ValueError:
                     raise APIError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias",
                                    code="invalid_value") from None
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                 if getattr(self, k) is not None}
+        given = {k: getattr(self, k) if getattr(self, k) is not None else defaults.get(k)
+                 for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        given = {k: v for k, v in given.items() if v is not None}
         try:
             return SamplingParams(
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -209,13 +216,14 @@ class CompletionRequest(OpenAIRequest):
         """``echo`` with ``max_tokens = 0``: the prompt, scored, and no completion."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
-        return self._params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs,
+                            defaults=defaults)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -314,7 +322,8 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
             return {"mode": tool_call_parser, "max_calls": max_calls}
         return None
 
-    def sampling_params(self, tool_call_parser: str | None = None) -> SamplingParams:
+    def sampling_params(self, tool_call_parser: str | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
         choice = self.tool_choice_of(tool_call_parser)
         try:
             schema = None if choice.kind == "none" else tool_schema(choice, self.tools,
@@ -330,7 +339,7 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
                            param="top_logprobs", code="invalid_value")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs,
-                            constraint=schema, skip_special_tokens=skip)
+                            constraint=schema, skip_special_tokens=skip, defaults=defaults)
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]

@@ -129,10 +129,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     def checked_params(body: CompletionRequest | ChatCompletionRequest):
         """The request's SamplingParams, once its model and options are known to be servable."""
         check_model(body.model)
+        defaults = engine.llm.default_sampling_overrides  # the model's generation config's
         if isinstance(body, ChatCompletionRequest):
-            params = body.sampling_params(tool_call_parser)
+            params = body.sampling_params(tool_call_parser, defaults)
         else:
-            params = body.sampling_params()
+            params = body.sampling_params(defaults)
         if body.stream and params.use_beam_search:
             raise APIError(400, "stream is not supported with use_beam_search", param="stream")
         return params

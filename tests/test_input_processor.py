@@ -31,7 +31,15 @@ def inputs():
 def test_pair_prompts(prompts, expected):
     pairs = pair_prompts(prompts, None)
     assert [p for p, _ in pairs] == expected
-    assert all(isinstance(sp, SamplingParams) for _, sp in pairs)
+    assert all(sp is None for _, sp in pairs)  # the engine's default, which the InputProcessor holds
+
+
+def test_a_request_without_params_gets_the_default_params():
+    assert InputProcessor(None, vocab_size=VOCAB, max_model_len=64, check_request=checked).check(
+        [1, 2], None)[2] == SamplingParams()
+    default = SamplingParams(temperature=0.0, max_tokens=3)  # e.g. the model's generation config's
+    inputs = InputProcessor(None, vocab_size=VOCAB, max_model_len=64, check_request=checked, default_params=default)
+    assert inputs.check([1, 2], None)[2] is default and inputs.check([1, 2], SamplingParams())[2] == SamplingParams()
 
 
 def test_pair_prompts_arrays():

@@ -1,0 +1,59 @@
+"""A model's ``generation_config.json`` as default sampling parameters, as vLLM takes it.
+
+vLLM's ``--generation-config`` (default ``"auto"``): the sampling fields a model's Hugging Face
+generation config sets away from transformers' defaults (``temperature``, ``top_p``,
+``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as ``max_tokens``)
+become the engine's defaults: ``LLM.get_default_sampling_params()``, what ``generate`` and
+``chat`` use without sampling parameters, and, in the server, the value of each of those
+fields a request leaves unset (``max_new_tokens`` caps a request's ``max_tokens``). ``"vllm"``
+keeps vLLM's (and jaxpaged's) own defaults; a folder path reads that folder's file instead of
+the model's. A GGUF file carries no generation config. No jax here.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from jaxpaged.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# The generation config's fields vLLM takes, by their SamplingParams names.
+FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_overrides(generation_config: Any, model_source: str | Path | None) -> dict[str, Any]:
+    """The SamplingParams fields ``generation_config`` (``"auto"``, ``"vllm"`` or a folder) sets
+    for the model loaded from ``model_source``; checked, with errors naming the file."""
+    if not isinstance(generation_config, (str, Path)):
+        raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {type(generation_config).__name__}")
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        model_source = None if model_source is None else Path(model_source)
+        if model_source is None or not model_source.is_dir() or not (model_source / "generation_config.json").is_file():
+            return {}
+        folder = model_source
+    else:
+        folder = Path(generation_config).expanduser()
+        if not (folder / "generation_config.json").is_file():
+            raise FileNotFoundError(f"generation_config: no generation_config.json in {folder}")
+    from transformers import GenerationConfig
+
+    path = folder / "generation_config.json"
+    try:
+        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()  # what differs from transformers' defaults
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"generation_config: {path} could not be read: {e}") from None
+    overrides = {ours: diff[theirs] for theirs, ours in FIELDS.items() if diff.get(theirs) is not None}
+    try:
+        SamplingParams(**overrides)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"generation_config: {path}: {e}") from None
+    if overrides:
+        log.info("default sampling parameters from %s: %s (generation_config='vllm' keeps jaxpaged's own)", path,
+                 overrides)
+    return overrides
