@@ -212,6 +212,14 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.to_token_ids(prompt)
+        if (keep := params.truncate_prompt_tokens) is not None:
+            if keep >= self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens must be below max_model_len={self.max_model_len} (a "
+                                 f"prompt must leave room to generate; -1 keeps what fits), got {keep}")
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(ids) > keep:  # the last tokens kept (vLLM's left truncation); the text is theirs
+                ids = list(ids[len(ids) - keep:])
+                text = None if text is None or self.tokenizer is None else self.tokenizer.decode(ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(the prompt plus at least one generated token must fit)")

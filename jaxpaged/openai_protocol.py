@@ -87,6 +87,7 @@ class OpenAIRequest(BaseModel):
     cache_salt: str | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Any = None
     structured_outputs: Any = None
@@ -182,7 +183,8 @@ class OpenAIRequest(BaseModel):
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, use_beam_search=self.use_beam_search,
+                prompt_logprobs=prompt_logprobs, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                use_beam_search=self.use_beam_search,
                 length_penalty=self.length_penalty, cache_salt=self.cache_salt,
                 skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                 structured_outputs=structured, **given)
@@ -379,10 +381,13 @@ class DetokenizeRequest(BaseModel):
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # the engine's are OpenAI's
 
 
-def usage(outputs: list[RequestOutput], *, echo_only: bool = False) -> dict[str, int]:
+def usage(outputs: list[RequestOutput], *, echo_only: bool = False) -> dict[str, Any]:
+    """OpenAI's ``usage``, with ``prompt_tokens_details.cached_tokens``: the prompt tokens whose
+    K/V the prefix cache held (vLLM gives them with ``--enable-prompt-tokens-details``)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = 0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
 
 def echo_text(out: RequestOutput, decode: Callable[[list[int]], str]) -> str:

@@ -62,6 +62,8 @@ class SamplingParams:
         logprobs: number of top log-probabilities to return per generated token (the
             sampled token's own log-probability is always returned); ``None`` for none.
         prompt_logprobs: the same for every prompt position.
+        truncate_prompt_tokens: keep only the prompt's last this many tokens (left truncation);
+            -1: as many as ``max_model_len`` leaves room for (one token to generate).
         use_beam_search: beam search instead of sampling.
         beam_width: beams kept per step; defaults to ``n`` under beam search.
         length_penalty: beam score is ``logprob_sum / length ** length_penalty``.
@@ -89,6 +91,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
@@ -143,6 +146,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             need(name, v is None or v is True or _is_int(v), "an int or None")
+        need("truncate_prompt_tokens", self.truncate_prompt_tokens is None or _is_int(self.truncate_prompt_tokens),
+             "an int or None")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):
             need(name, _is_real(getattr(self, name)), "a real number")
@@ -187,6 +192,8 @@ class SamplingParams:
         need(self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens must be at least 1, got {self.max_tokens}")
         need(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
+        need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,
+             f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -42,6 +42,17 @@ def test_a_request_without_params_gets_the_default_params():
     assert inputs.check([1, 2], None)[2] is default and inputs.check([1, 2], SamplingParams())[2] == SamplingParams()
 
 
+def test_a_prompt_truncated_keeps_its_last_tokens(inputs):
+    ids = list(range(1, 11))
+    assert inputs.check(ids, SamplingParams(truncate_prompt_tokens=4))[1] == ids[-4:]
+    assert inputs.check(ids, SamplingParams(truncate_prompt_tokens=40))[1] == ids  # shorter: as it is
+    roomy = InputProcessor(None, vocab_size=VOCAB, max_model_len=64, check_request=lambda n, p: None)
+    long = list(range(0, 99))  # more than max_model_len: -1 keeps what leaves room for one token
+    assert roomy.check(long, SamplingParams(truncate_prompt_tokens=-1))[1] == long[-63:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be below max_model_len=64"):
+        inputs.check(ids, SamplingParams(truncate_prompt_tokens=64))
+
+
 def test_pair_prompts_arrays():
     one = pair_prompts(np.array([1, 2, 3]), None)  # a 1-D array is one prompt
     assert len(one) == 1 and one[0][0].tolist() == [1, 2, 3]

@@ -12,7 +12,7 @@ def test_defaults_match_vllm():
         n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
         presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, seed=None, stop=[],
         stop_token_ids=[], include_stop_str_in_output=False, ignore_eos=False, max_tokens=16, min_tokens=0, logprobs=None,
-        prompt_logprobs=None, use_beam_search=False, beam_width=None, length_penalty=1.0,
+        prompt_logprobs=None, truncate_prompt_tokens=None, use_beam_search=False, beam_width=None, length_penalty=1.0,
         cache_salt=None, skip_special_tokens=True, structured_outputs=None,
     )
     assert {f.name: getattr(p, f.name) for f in dataclasses.fields(p)} == expected
@@ -22,6 +22,8 @@ def test_defaults_match_vllm():
 
 @pytest.mark.parametrize("kw, field", [
     (dict(n=0), "n"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=math.nan), "temperature"),
     (dict(temperature=math.inf), "temperature"),
@@ -72,6 +74,7 @@ def test_value_errors_name_the_field(kw, field):
 
 @pytest.mark.parametrize("kw, field", [
     (dict(n=1.0), "n"),
+    (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"),
     (dict(top_k=2.5), "top_k"),
     (dict(max_tokens="16"), "max_tokens"),
     (dict(min_tokens=None), "min_tokens"),
