@@ -55,6 +55,7 @@ def invalid(e: Exception, body: OpenAIRequest | None = None) -> APIError:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class OpenAIRequest(BaseModel):
@@ -194,6 +195,10 @@ class OpenAIRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(OpenAIRequest):
@@ -379,6 +384,12 @@ class DetokenizeRequest(BaseModel):
 # ---- responses ---------------------------------------------------------------------------
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # the engine's are OpenAI's
+
+
+def choice_usage(out: RequestOutput, c: CompletionOutput | None) -> dict[str, int]:
+    """vLLM's continuous usage stats: the prompt's tokens and one choice's so far (``c`` None: none yet)."""
+    prompt, completion = len(out.prompt_token_ids), 0 if c is None else len(c.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def usage(outputs: list[RequestOutput], *, echo_only: bool = False) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from jaxpaged.detokenizer import stream_end
-from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chunk,
-                                      completion_logprobs, echo_text, usage)
+from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_usage,
+                                      chunk, completion_logprobs, echo_text, usage)
 from jaxpaged.openai_responses import OutputItems, final_status, plain, reply_stream, response_body, sse_event
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.tool_calling import ToolCallStream
@@ -125,7 +125,8 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
                     offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             yield chunk(rid, model, "completion", [{
                 "index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                choice_usage(out, None if body.echo_only else c) if body.continuous_usage else None)
 
     final = None
     if body.include_usage:
@@ -146,7 +147,8 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
             if c.index not in started:  # OpenAI's first delta of a choice carries the role
                 started.add(c.index)
                 yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"role": body.reply_role(), "content": ""},
-                                                  "logprobs": None, "finish_reason": None}])
+                                                  "logprobs": None, "finish_reason": None}],
+                            choice_usage(out, None) if body.continuous_usage else None)
             d = deltas.next(c.index, c.text, len(c.token_ids), c.finish_reason is not None)
             if d is None:
                 continue
@@ -164,7 +166,8 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
             yield chunk(rid, model, "chat", [{
                 "index": c.index, "delta": delta,
                 "logprobs": chat_logprobs(c, body.top_logprobs or 0, first) if body.logprobs else None,
-                "finish_reason": reason, "stop_reason": c.stop_reason}])
+                "finish_reason": reason, "stop_reason": c.stop_reason}],
+                choice_usage(out, c) if body.continuous_usage else None)
 
     final = (lambda outs: chunk(rid, model, "chat", [], usage(outs))) if body.include_usage else None
     return _events(engine, [stream], make_chunks, final)

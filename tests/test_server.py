@@ -218,6 +218,29 @@ def test_raw_http_sse_and_json(http):
     assert full["usage"]["completion_tokens"] == 6
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPTS[0], "n": 2, "temperature": 0.8, "seed": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "temperature": 0.8, "seed": 1}),
+])
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, path, body):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with http.stream("POST", path, json={**body, "max_tokens": 5, "stream": True, "stream_options": options,
+                                         "ignore_eos": True}) as r:
+        events = sse(r.iter_lines())[:-1]
+    *chunks, last = events
+    prompt = last["usage"]["prompt_tokens"]
+    seen = {0: 0, 1: 0}
+    for e in chunks:  # each choice's tokens so far: growing one by one to its 5
+        (c,), u = e["choices"], e["usage"]
+        assert u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"]
+        assert u["completion_tokens"] in (seen[c["index"]], seen[c["index"]] + 1)
+        seen[c["index"]] = u["completion_tokens"]
+    assert seen == {0: 5, 1: 5} and last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    with http.stream("POST", path, json={**body, "max_tokens": 2, "stream": True, "stream_options": {
+            "continuous_usage_stats": True}}) as r:  # without include_usage: none (vLLM's)
+        assert not any("usage" in e for e in sse(r.iter_lines())[:-1])
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings(client, offline, stream):
     base = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
