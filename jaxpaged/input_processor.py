@@ -20,7 +20,7 @@ from jaxpaged.beam_search import BeamSearch
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Request
-from jaxpaged.structured_output import Grammars
+from jaxpaged.structured_output import Grammars, allowed_bitmask
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -225,6 +225,7 @@ class InputProcessor:
                              f"(the prompt plus at least one generated token must fit)")
         self._check_in_vocab(params.logit_bias or {}, "logit_bias token ids")
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids")
+        self._check_in_vocab(params.allowed_token_ids or (), "allowed_token_ids")
         self.check_request(len(ids), params)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
@@ -252,6 +253,8 @@ class InputProcessor:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 1 << 63))
         beam = BeamSearch(params.beam_width, params.length_penalty) if params.use_beam_search else None
         req = Request(request_id, text, ids, params, time.monotonic(), seed, beam)
+        if params.allowed_token_ids is not None:
+            req.allowed_mask = allowed_bitmask(params.allowed_token_ids, self.vocab_size)
         if self.tokenizer is not None:
             req.seqs[0].detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                             stop=params.stop, min_tokens=params.min_tokens,

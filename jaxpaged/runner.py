@@ -508,10 +508,19 @@ class ModelRunner:
                            pending_rows=pending_rows, split_decodes=self.split_decodes)
 
     def token_bitmask(self, batch_rows, num_rows: int) -> np.ndarray | None:
-        """The structured outputs' token masks of ``num_rows`` padded sampling rows (None if no row
-        has one; a finished sequence's row has none): llguidance's work, ~0.3 ms a row on CPU."""
-        grammars = [(i, r.matcher) for i, r in enumerate(batch_rows) if r.matcher is not None and not r.seq.finished]
-        return token_bitmask(grammars, num_rows, self.vocab_size) if grammars else None
+        """The token masks of ``num_rows`` padded sampling rows: the structured outputs'
+        (llguidance's work, ~0.3 ms a row on CPU) and ``allowed_token_ids``; None if no row has
+        one (a finished sequence's row has none)."""
+        live = [(i, r) for i, r in enumerate(batch_rows) if not r.seq.finished]
+        grammars = [(i, r.matcher) for i, r in live if r.matcher is not None]
+        allowed = [(i, r.seq.request.allowed_mask) for i, r in live if r.seq.request.allowed_mask is not None]
+        if not grammars and not allowed:
+            return None
+        mask = token_bitmask(grammars, num_rows, self.vocab_size) if grammars else \
+            np.full((num_rows, -(-self.vocab_size // 32)), -1, np.int32)
+        for i, words in allowed:
+            mask[i] &= words
+        return mask
 
     def sampling(self, batch_rows, num_rows: int, prompt_lp_rows) -> tuple:
         """``(metadata, num_logprobs, use_penalties, num_prompt_logprobs)`` of ``num_rows`` padded

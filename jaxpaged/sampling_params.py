@@ -51,6 +51,7 @@ class SamplingParams:
         presence_penalty: subtracted from the logit of every token already in the output.
         frequency_penalty: subtracted once per occurrence of a token in the output.
         logit_bias: token id -> value added to that token's logit before sampling.
+        allowed_token_ids: sample only these tokens (a mask on the logits); not with beam search.
         seed: seed of this request's random stream; ``None`` lets the engine pick one.
         stop: strings that end the completion when produced (not part of the output).
         stop_token_ids: token ids that end the completion (the token is kept).
@@ -82,6 +83,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -114,12 +116,17 @@ class SamplingParams:
         set_("stop", [] if self.stop is None else [self.stop] if isinstance(self.stop, str)
              else list(self.stop))
         set_("stop_token_ids", list(dict.fromkeys(self.stop_token_ids or ())))
+        if self.allowed_token_ids is not None:
+            set_("allowed_token_ids", [int(i) for i in dict.fromkeys(self.allowed_token_ids)])
         if self.logit_bias is not None:
             set_("logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         self._check_values()
         if self.use_beam_search:
             if self.structured_outputs is not None:
                 raise ValueError("structured_outputs cannot be used with use_beam_search=True (as in vLLM)")
+            if self.allowed_token_ids is not None:
+                raise ValueError("allowed_token_ids cannot be used with use_beam_search=True (beams rank the "
+                                 "model's own log-probabilities)")
             self._check_beam_search()
             if self.beam_width is None:
                 set_("beam_width", self.n)
@@ -158,10 +165,10 @@ class SamplingParams:
         need("stop", stop is None or isinstance(stop, str)
              or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)),
              "a str, a list of str or None")
-        ids = self.stop_token_ids
-        need("stop_token_ids", ids is None
-             or (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)),
-             "a list of int or None")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            need(name, ids is None or (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)),
+                 "a list of int or None")
         bias = self.logit_bias
         need("logit_bias", bias is None or isinstance(bias, dict), "a dict[int, float] or None")
         for k, v in (bias or {}).items():
@@ -205,6 +212,10 @@ class SamplingParams:
         need(all(s for s in self.stop), f"stop cannot contain an empty string, got {self.stop!r}")
         need(all(i >= 0 for i in self.stop_token_ids),
              f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if self.allowed_token_ids is not None:
+            need(bool(self.allowed_token_ids), "allowed_token_ids must not be empty (None allows every token)")
+            need(all(i >= 0 for i in self.allowed_token_ids),
+                 f"allowed_token_ids must be non-negative token ids, got {self.allowed_token_ids[:8]}")
         need(self.cache_salt != "", "cache_salt must be a non-empty string or None, got ''")
 
     def _check_beam_search(self) -> None:

@@ -134,6 +134,7 @@ class Request:
         # One sequence until the prompt is computed; then n samples or beam_width beams.
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
         self.beam = beam  # beam search state: finished hypotheses; None when sampling
+        self.allowed_mask = None  # allowed_token_ids as a token bitmask (structured_output.allowed_bitmask)
         self.aborted = False
         # Recomputing several live sequences after a preemption: the forks still to make, as
         # (position, parent, child) in order of position. A child holds no blocks until its

@@ -227,6 +227,15 @@ class Matcher:
 _executor = None
 
 
+def allowed_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """``[ceil(vocab_size / 32)]`` int32 with the bits of ``token_ids`` set, as
+    :func:`token_bitmask` lays a row out (``SamplingParams.allowed_token_ids``)."""
+    words = -(-vocab_size // 32)
+    bits = np.zeros(words * 32, bool)
+    bits[np.asarray(token_ids, np.int64)] = True
+    return np.packbits(bits.reshape(words, 32), axis=1, bitorder="little").view("<i4").reshape(words)
+
+
 def token_bitmask(matchers: Sequence[tuple[int, Matcher]], num_rows: int, vocab_size: int) -> np.ndarray:
     """``[num_rows, ceil(vocab_size / 32)]`` int32: bit ``t % 32`` of word ``t // 32`` of row ``i``
     is set when token ``t`` may come next; ``matchers`` gives ``(row, matcher)`` of the

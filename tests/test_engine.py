@@ -291,6 +291,26 @@ def test_chat_template_options(tiny_engine_model):
         llm.tokenizer.chat_template = saved
 
 
+def test_allowed_token_ids_mask_only_their_own_rows(tiny_engine_model):
+    """vLLM's ``allowed_token_ids``: a request samples only those tokens, greedy or not, beside
+    unrestricted and structured rows in the same steps, which keep their own tokens."""
+    llm = make(tiny_engine_model)
+    rng = np.random.default_rng(0)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], [GREEDY, SEEDED], use_tqdm=False)]
+    regex = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "[0-9]{4}"})
+    digits = llm.generate(PROMPTS[2], regex, use_tqdm=False)[0].outputs[0].text
+    allowed = sorted(set(rng.integers(3, llm.config.vocab_size, 6).tolist()) | {alone[0][0]})
+    restricted = [GREEDY.replace(allowed_token_ids=allowed), SEEDED.replace(allowed_token_ids=allowed)]
+    outs = llm.generate(PROMPTS[:2] * 2 + [PROMPTS[2]], [*restricted, GREEDY, SEEDED, regex], use_tqdm=False)
+    for o in outs[:2]:
+        assert set(o.outputs[0].token_ids) <= set(allowed) and len(o.outputs[0].token_ids) == 24
+    assert outs[0].outputs[0].token_ids[0] == alone[0][0]  # the greedy pick was allowed: still taken first
+    assert [o.outputs[0].token_ids for o in outs[2:4]] == alone and outs[4].outputs[0].text == digits
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[\d+\] are outside the vocabulary"):
+        llm.generate(PROMPTS[0], GREEDY.replace(allowed_token_ids=[1, llm.config.vocab_size]), use_tqdm=False)
+    assert_no_leak(llm)
+
+
 def test_compiled_shapes_bounded_over_mixed_workload(small_vocab_engine_model):
     rng = np.random.default_rng(0)
     llm = make(small_vocab_engine_model, debug_checks=False, max_num_seqs=32, max_num_batched_tokens=128,

@@ -10,7 +10,7 @@ def test_defaults_match_vllm():
     p = SamplingParams()
     expected = dict(
         n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
-        presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, seed=None, stop=[],
+        presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, allowed_token_ids=None, seed=None, stop=[],
         stop_token_ids=[], include_stop_str_in_output=False, ignore_eos=False, max_tokens=16, min_tokens=0, logprobs=None,
         prompt_logprobs=None, truncate_prompt_tokens=None, use_beam_search=False, beam_width=None, length_penalty=1.0,
         cache_salt=None, skip_special_tokens=True, structured_outputs=None,
@@ -23,6 +23,9 @@ def test_defaults_match_vllm():
 @pytest.mark.parametrize("kw, field", [
     (dict(n=0), "n"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3], use_beam_search=True, temperature=0), "allowed_token_ids"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=math.nan), "temperature"),
@@ -75,6 +78,7 @@ def test_value_errors_name_the_field(kw, field):
 @pytest.mark.parametrize("kw, field", [
     (dict(n=1.0), "n"),
     (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"),
+    (dict(allowed_token_ids=[1.0]), "allowed_token_ids"),
     (dict(top_k=2.5), "top_k"),
     (dict(max_tokens="16"), "max_tokens"),
     (dict(min_tokens=None), "min_tokens"),

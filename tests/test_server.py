@@ -663,6 +663,10 @@ BAD = [  # (path, body, status, message pattern, param)
      r"^chat_template_kwargs\['tokenize'\]: tokenize is not the template's to take", "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": ["x"]}, 400,
      r"chat_template_kwargs", "chat_template_kwargs"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400, r"^allowed_token_ids must not be empty",
+     "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [10 ** 9]}, 400,
+     r"^allowed_token_ids \[1000000000\] are outside the vocabulary", "allowed_token_ids"),
     ("/v1/nowhere", {}, 404, r"Not Found", None),
 ]
 
