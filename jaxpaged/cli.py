@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from jaxpaged.chat_template import load_chat_template
+from jaxpaged.generation_config import default_sampling_overrides, for_request
 
 PROG = "jaxpaged-generate"
 _SAMPLING = [  # (flag, type, SamplingParams field)
@@ -103,7 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("sampling")
     for flag, typ, field in _SAMPLING:
         s.add_argument(flag, type=typ, dest=field, default=None)
-    s.set_defaults(max_tokens=128, temperature=0.0)
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--stop-token-ids", type=lambda v: [int(t) for t in v.split(",")], default=None)
     s.add_argument("--include-stop-str-in-output", action="store_true", default=None,
@@ -201,6 +201,8 @@ def run(argv: list[str] | None = None) -> int:
     from jaxpaged.sampling_params import SamplingParams
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    # The options' defaults: greedy, 128 tokens, but what the model's generation config sets.
+    model_defaults = default_sampling_overrides(args.generation_config, args.model)
     base = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if structured := _structured_outputs(args):
         base["structured_outputs"] = structured
@@ -214,7 +216,10 @@ def run(argv: list[str] | None = None) -> int:
             unknown = set(extra) - fields
             if unknown:
                 raise ValueError(f"unknown sampling options {sorted(unknown)}")
-            params.append(SamplingParams(**{**base, **extra}))
+            given = {**base, **extra}
+            defaults = {"max_tokens": 128, "temperature": 0.0,
+                        **for_request(model_defaults, beam_search=bool(given.get("use_beam_search")))}
+            params.append(SamplingParams(**{**defaults, **given}))
         except (ValueError, TypeError) as e:
             if where is None:
                 raise

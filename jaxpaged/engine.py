@@ -28,7 +28,7 @@ from jaxpaged.detokenizer import stream_end
 from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
-from jaxpaged.generation_config import default_sampling_overrides
+from jaxpaged.generation_config import default_sampling_overrides, for_request
 from jaxpaged.input_processor import InputProcessor, PromptType, chat_messages, pair_prompts
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
@@ -350,7 +350,8 @@ class LLM:
 
         Text that could still turn out to be the start of a stop string (its last
         ``len(longest stop) - 1`` characters) is held back until it cannot, as the server's
-        streams do: a stop string cuts the text before it, and what was yielded stays yielded.
+        streams do: a stop string cuts the text before it, and what was yielded stays yielded
+        (with ``include_stop_str_in_output`` nothing is held back: the stop string stays).
         """
         text, ids, params = self.inputs.check(prompt, sampling_params)  # raises here, not at the first next()
         return self._stream({"prompt": text, "prompt_token_ids": ids}, params)
@@ -422,9 +423,11 @@ def generate(prompts: PromptType | Seq[PromptType], model: str | Path | LoadedMo
     unknown = set(kwargs) - engine_names - sp_names - {"use_tqdm"}
     if unknown:
         raise TypeError(f"generate() got unknown options {sorted(unknown)}")
-    SamplingParams(**{k: v for k, v in kwargs.items() if k in sp_names})  # (its errors before loading)
-    llm = LLM(model, **{k: v for k, v in kwargs.items() if k in engine_names})
-    params = llm.get_default_sampling_params().replace(**{k: v for k, v in kwargs.items() if k in sp_names})
+    given = {k: v for k, v in kwargs.items() if k in sp_names}
+    source = model.source if isinstance(model, LoadedModel) else model if isinstance(model, (str, Path)) else None
+    defaults = default_sampling_overrides(kwargs.get("generation_config", "auto"), source)
+    params = SamplingParams(**for_request(defaults, beam_search=bool(given.get("use_beam_search"))), **given)
+    llm = LLM(model, **{k: v for k, v in kwargs.items() if k in engine_names})  # (the params checked first)
     outs = llm.generate(prompts, params, use_tqdm=kwargs.get("use_tqdm", False))
     texts = [o.outputs[0].text for o in outs]
     return texts[0] if isinstance(prompts, str) else texts

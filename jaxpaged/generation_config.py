@@ -4,8 +4,10 @@ vLLM's ``--generation-config`` (default ``"auto"``): the sampling fields a model
 generation config sets away from transformers' defaults (``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as ``max_tokens``)
 become the engine's defaults: ``LLM.get_default_sampling_params()``, what ``generate`` and
-``chat`` use without sampling parameters, and, in the server, the value of each of those
-fields a request leaves unset (``max_new_tokens`` caps a request's ``max_tokens``). ``"vllm"``
+``chat`` use without sampling parameters, the fields ``jaxpaged.generate`` and
+``jaxpaged-generate`` are not given, and, in the server, the value of each of those fields a
+request leaves unset (``max_new_tokens`` cut to what fits beside the prompt; a beam search
+request takes only that one). ``"vllm"``
 keeps vLLM's (and jaxpaged's) own defaults; a folder path reads that folder's file instead of
 the model's. A GGUF file carries no generation config. No jax here.
 """
@@ -25,6 +27,12 @@ FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+def for_request(overrides: dict[str, Any], *, beam_search: bool) -> dict[str, Any]:
+    """``overrides`` as a request takes them: a beam search request (deterministic) only their
+    ``max_tokens``."""
+    return {k: v for k, v in overrides.items() if k == "max_tokens"} if beam_search else overrides
+
+
 def default_sampling_overrides(generation_config: Any, model_source: str | Path | None) -> dict[str, Any]:
     """The SamplingParams fields ``generation_config`` (``"auto"``, ``"vllm"`` or a folder) sets
     for the model loaded from ``model_source``; checked, with errors naming the file."""
@@ -33,7 +41,7 @@ def default_sampling_overrides(generation_config: Any, model_source: str | Path 
     if generation_config == "vllm":
         return {}
     if generation_config == "auto":
-        model_source = None if model_source is None else Path(model_source)
+        model_source = None if model_source is None else Path(model_source).expanduser()
         if model_source is None or not model_source.is_dir() or not (model_source / "generation_config.json").is_file():
             return {}
         folder = model_source

@@ -213,9 +213,9 @@ class InputProcessor:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.to_token_ids(prompt)
         if (keep := params.truncate_prompt_tokens) is not None:
-            if keep >= self.max_model_len:
-                raise ValueError(f"truncate_prompt_tokens must be below max_model_len={self.max_model_len} (a "
-                                 f"prompt must leave room to generate; -1 keeps what fits), got {keep}")
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={self.max_model_len} "
+                                 f"(-1 keeps what leaves room to generate), got {keep}")
             keep = self.max_model_len - 1 if keep == -1 else keep
             if len(ids) > keep:  # the last tokens kept (vLLM's left truncation); the text is theirs
                 ids = list(ids[len(ids) - keep:])

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxpaged.generation_config import for_request
 from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.structured_output import StructuredOutputsParams, as_structured_outputs
@@ -156,10 +157,10 @@ class OpenAIRequest(BaseModel):
         """Raises ``APIError`` (400) with SamplingParams' message for an invalid value; ``constraint``:
         the JSON schema of a named or required tool choice; ``defaults``: the model's generation
         config's fields (``LLM.default_sampling_overrides``), for those the request leaves unset,
-        its ``max_tokens`` a cap (vLLM's rules)."""
+        its ``max_tokens`` that of a request that gives none (vLLM's rules)."""
         defaults = defaults or {}
-        if defaults.get("max_tokens") is not None:
-            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         structured = self._structured_outputs(constraint)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given when stream is true", param="stream_options",
@@ -177,7 +178,8 @@ class OpenAIRequest(BaseModel):
                 except ValueError:
                     raise APIError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias",
                                    code="invalid_value") from None
-        given = {k: getattr(self, k) if getattr(self, k) is not None else defaults.get(k)
+        sampling = for_request(defaults, beam_search=self.use_beam_search)
+        given = {k: getattr(self, k) if getattr(self, k) is not None else sampling.get(k)
                  for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         given = {k: v for k, v in given.items() if v is not None}
         try:
@@ -224,6 +226,11 @@ class CompletionRequest(OpenAIRequest):
     def echo_only(self) -> bool:
         """``echo`` with ``max_tokens = 0``: the prompt, scored, and no completion."""
         return self.echo and self.max_tokens == 0
+
+    @property
+    def own_max_tokens(self) -> int | None:
+        """The most tokens the request itself asks for (None: none given)."""
+        return self.max_tokens
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
@@ -331,6 +338,11 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
             return {"mode": tool_call_parser, "max_calls": max_calls}
         return None
 
+    @property
+    def own_max_tokens(self) -> int | None:
+        """The most tokens the request itself asks for (None: none given)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def sampling_params(self, tool_call_parser: str | None = None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         choice = self.tool_choice_of(tool_call_parser)
@@ -346,8 +358,8 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                            param="top_logprobs", code="invalid_value")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs,
+        return self._params(self.own_max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                            self.prompt_logprobs,
                             constraint=schema, skip_special_tokens=skip, defaults=defaults)
 
     def conversation(self) -> list[dict[str, Any]]:

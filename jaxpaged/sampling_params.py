@@ -43,7 +43,7 @@ class SamplingParams:
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: keep the smallest set of most likely tokens whose probability mass reaches
             ``top_p``; 1 disables.
-        top_k: keep the ``top_k`` most likely tokens; -1 disables.
+        top_k: keep the ``top_k`` most likely tokens; -1 (or 0, as vLLM takes it) disables.
         min_p: drop tokens whose probability is below ``min_p`` times the most likely
             token's; 0 disables.
         repetition_penalty: divides positive (multiplies negative) logits of tokens seen in
@@ -53,7 +53,8 @@ class SamplingParams:
         logit_bias: token id -> value added to that token's logit before sampling.
         allowed_token_ids: sample only these tokens (a mask on the logits); not with beam search.
         seed: seed of this request's random stream; ``None`` lets the engine pick one.
-        stop: strings that end the completion when produced (not part of the output).
+        stop: strings that end the completion when produced (not part of the output, unless
+            ``include_stop_str_in_output``).
         stop_token_ids: token ids that end the completion (the token is kept).
         include_stop_str_in_output: the stop string that ended the completion stays at the end
             of its text (what came after it in the same token does not).
@@ -113,6 +114,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "length_penalty"):
             set_(name, float(getattr(self, name)))
+        if self.top_k == 0:  # vLLM's other spelling of "every token"
+            set_("top_k", -1)
         set_("stop", [] if self.stop is None else [self.stop] if isinstance(self.stop, str)
              else list(self.stop))
         set_("stop_token_ids", list(dict.fromkeys(self.stop_token_ids or ())))

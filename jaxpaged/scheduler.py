@@ -533,7 +533,7 @@ class Scheduler:
                                                     f"blocks of {self.kv.block_size} slots) even alone")
             return None
         self._forks += self._num_forks(req, plan)
-        if live[0].num_output_tokens == 0:
+        if live[0].num_output_tokens == 0 and req.metrics.num_preemptions == 0:  # (later, its own blocks hit)
             req.num_cached_tokens = live[0].num_computed_tokens
         return plan
 

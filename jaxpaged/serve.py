@@ -142,11 +142,14 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         tok = engine.tokenizer
         return tok.decode(token_ids) if tok is not None else ""
 
-    def fits(req, param: str = "max_tokens") -> None:
+    def fits(req, param: str = "max_tokens", default: bool = False) -> None:
         """vLLM's rule: a ``max_tokens`` asked for must fit beside the prompt (the offline
-        engine stops at ``max_model_len`` instead)."""
+        engine stops at ``max_model_len`` instead); the model's default (``default``: the
+        request gave none) is cut to what fits."""
         n, asked, limit = len(req.prompt_token_ids), req.params.max_tokens, engine.max_model_len
-        if asked is not None and n + asked > limit:
+        if asked is not None and n + asked > limit and default:
+            req.params = req.params.replace(max_tokens=limit - n)  # (the prompt leaves room for one: checked)
+        elif asked is not None and n + asked > limit:
             raise APIError(400, f"{param} is too large: {asked}. This model's maximum context length is {limit} "
                            f"tokens and the request has {n} input tokens ({asked} > {limit} - {n})",
                            param=param, code="invalid_value")
@@ -154,9 +157,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def add(prompts: list, params, request_id: str, body, *,
                   max_tokens_param: str = "max_tokens") -> list[RequestStream]:
         """Queue every prompt, or none (``body``: the request, for the errors' ``param``)."""
+        default = body.own_max_tokens is None and params.max_tokens is not None  # the generation config's
         try:
             return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
-                                             check=functools.partial(fits, param=max_tokens_param))
+                                             check=functools.partial(fits, param=max_tokens_param, default=default))
         except (ValueError, TypeError) as e:
             raise invalid(e, body) from None
         except EngineOverloadedError as e:

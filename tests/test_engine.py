@@ -291,6 +291,22 @@ def test_chat_template_options(tiny_engine_model):
         llm.tokenizer.chat_template = saved
 
 
+def test_a_preempted_request_does_not_count_its_own_blocks_as_cached(tiny_engine_model):
+    """``num_cached_tokens`` (the usage's cached_tokens) is what the prefix cache held at the
+    first admission: recomputing after a preemption hits the request's own blocks, which are
+    not a cache hit of its prompt (vLLM sets it once)."""
+    llm = make(tiny_engine_model, num_blocks=12, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=8)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 1000, 60).tolist() for _ in range(5)]  # preempted mid-prefill, in 8-token chunks
+    outs = llm.generate(prompts, GREEDY.replace(max_tokens=20), use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [o.num_cached_tokens for o in outs] == [0] * 5
+    fresh = rng.integers(3, 1000, 30).tolist()
+    first, again = (llm.generate([fresh], GREEDY.replace(max_tokens=1), use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 24)  # 3 whole blocks of 8 of 30 tokens
+    assert_no_leak(llm)
+
+
 def test_allowed_token_ids_mask_only_their_own_rows(tiny_engine_model):
     """vLLM's ``allowed_token_ids``: a request samples only those tokens, greedy or not, beside
     unrestricted and structured rows in the same steps, which keep their own tokens."""
@@ -555,7 +571,7 @@ def test_prompt_that_can_never_fit_the_pool(tiny_engine_model):
 
 
 @pytest.mark.parametrize("params, match", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(min_p=2), "min_p"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(use_beam_search=True, beam_width=2, temperature=0.7), "beam"),

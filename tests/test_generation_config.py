@@ -75,8 +75,8 @@ def test_the_server_fills_what_a_request_leaves_unset(llm):
 
             greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                                   use_tqdm=False)[0].outputs[0].text
-            assert completion() == (greedy, 5)  # greedy (the config's), 5 tokens (16 capped)
-            assert completion(max_tokens=3)[1] == 3 and completion(max_tokens=50)[1] == 5
+            assert completion(max_tokens=None) == (greedy, 5)  # greedy and 5 tokens: the config's
+            assert completion()[1] == 16 and completion(max_tokens=3)[1] == 3  # what a request asks for wins
             sampled = completion(temperature=1.0, seed=7, top_k=-1, top_p=1.0)
             assert sampled == completion(temperature=1.0, seed=7, top_k=-1, top_p=1.0)
             chat = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
@@ -86,7 +86,55 @@ def test_the_server_fills_what_a_request_leaves_unset(llm):
         srv.stop()
 
 
-def test_the_command_line_takes_a_generation_config():
+@pytest.fixture(scope="module")
+def roomy_default(tiny_engine_folder, tmp_path_factory):
+    """A model whose generation config samples (temperature 0.6, top_p 0.9) and allows more new
+    tokens than its 64-token window holds."""
+    path = tmp_path_factory.mktemp("long-default") / "model"
+    shutil.copytree(tiny_engine_folder, path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9,
+                                                             "max_new_tokens": 10 ** 6}))
+    return path
+
+
+def test_a_default_max_tokens_is_cut_to_what_fits_and_beams_take_only_it(roomy_default):
+    llm = LLM(str(roomy_default), **{**ENGINE, "max_model_len": 64})
+    srv = Running(llm)
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as h:
+            messages = [{"role": "user", "content": "Say something."}]
+            r = h.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True}).json()
+            u = r["usage"]
+            assert u["prompt_tokens"] + u["completion_tokens"] == 64  # the default, cut to the window: no 400
+            r = h.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 60})
+            assert r.status_code == 400 and "max_tokens is too large: 60" in r.json()["error"]["message"]
+            beam = h.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "use_beam_search": True,
+                                                   "n": 2, "temperature": 0})  # top_p 0.9 not taken
+            assert beam.status_code == 200 and len(beam.json()["choices"]) == 2, beam.text
+    finally:
+        srv.stop()
+
+
+def test_generate_checks_its_options_against_the_models_defaults(folder, monkeypatch):
+    import jaxpaged
+    import jaxpaged.engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the options were not checked before loading")
+
+    monkeypatch.setattr(jaxpaged.engine, "LLM", no_loading)
+    with pytest.raises(ValueError, match="min_tokens must be at most max_tokens=5"):  # the config's 5
+        jaxpaged.generate(PROMPT, model=str(folder), min_tokens=10)
+
+
+def test_the_command_line_takes_a_generation_config(folder, capsys):
+    from jaxpaged.cli import main
+
     p = build_parser()
     assert engine_kwargs(p.parse_args([]))["generation_config"] == "auto"
     assert engine_kwargs(p.parse_args(["--generation-config", "vllm"]))["generation_config"] == "vllm"
+    counts = []
+    for extra in ([], ["--generation-config", "vllm", "--max-tokens", "9"]):
+        assert main(["--model", str(folder), "--json", "--ignore-eos", "--no-progress", *extra, PROMPT]) == 0
+        counts.append(len(json.loads(capsys.readouterr().out.splitlines()[0])["outputs"][0]["token_ids"]))
+    assert counts == [5, 9]  # the config's max_new_tokens, then jaxpaged's own defaults

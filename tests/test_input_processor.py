@@ -49,8 +49,9 @@ def test_a_prompt_truncated_keeps_its_last_tokens(inputs):
     roomy = InputProcessor(None, vocab_size=VOCAB, max_model_len=64, check_request=lambda n, p: None)
     long = list(range(0, 99))  # more than max_model_len: -1 keeps what leaves room for one token
     assert roomy.check(long, SamplingParams(truncate_prompt_tokens=-1))[1] == long[-63:]
-    with pytest.raises(ValueError, match="truncate_prompt_tokens must be below max_model_len=64"):
-        inputs.check(ids, SamplingParams(truncate_prompt_tokens=64))
+    assert inputs.check(ids, SamplingParams(truncate_prompt_tokens=64))[1] == ids  # (vLLM refuses only above)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be at most max_model_len=64"):
+        inputs.check(ids, SamplingParams(truncate_prompt_tokens=65))
 
 
 def test_pair_prompts_arrays():

@@ -32,7 +32,6 @@ def test_defaults_match_vllm():
     (dict(temperature=math.inf), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.01), "top_p"),
-    (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
     (dict(min_p=-0.01), "min_p"),
     (dict(min_p=1.5), "min_p"),
@@ -155,7 +154,8 @@ def test_replace_validates_and_clone_shares_nothing():
     p = SamplingParams(stop=["x"], logit_bias={1: 2.0})
     assert p.replace(top_k=5).top_k == 5
     with pytest.raises(ValueError, match="top_k"):
-        p.replace(top_k=0)
+        p.replace(top_k=-3)
+    assert p.replace(top_k=0).top_k == -1  # vLLM's other spelling of "disabled"
     q = p.clone()
     assert q == p and q.stop is not p.stop and q.logit_bias is not p.logit_bias
     with pytest.raises(dataclasses.FrozenInstanceError):
