@@ -28,6 +28,8 @@ _EXPORTS = {
     "load_model": "jaxpaged.loader", "LoadedModel": "jaxpaged.loader", "CheckpointError": "jaxpaged.loader",
     "RequestOutput": "jaxpaged.outputs", "CompletionOutput": "jaxpaged.outputs", "Logprob": "jaxpaged.outputs",
     "RequestMetrics": "jaxpaged.outputs", "SamplingParams": "jaxpaged.sampling_params",
+    "BeamSearchParams": "jaxpaged.sampling_params", "BeamSearchOutput": "jaxpaged.outputs",
+    "BeamSearchSequence": "jaxpaged.outputs",
     "StructuredOutputsParams": "jaxpaged.structured_output", "SpeculativeConfig": "jaxpaged.spec_decode",
 }
 
@@ -44,6 +46,7 @@ def __dir__():
 
 __all__ = [
     "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-    "RequestMetrics", "load_model", "LoadedModel", "CheckpointError", "SpeculativeConfig",
+    "RequestMetrics", "load_model", "LoadedModel", "CheckpointError", "SpeculativeConfig", "BeamSearchParams",
+    "BeamSearchOutput", "BeamSearchSequence",
 ]
 __version__ = "0.1.0"

@@ -34,9 +34,9 @@ from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from jaxpaged.runner import ModelRunner
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
 from jaxpaged.sharding import data_parallel_devices, model_on_device, request_cpu_devices
@@ -344,6 +344,24 @@ class LLM:
         """The token ids of a conversation (and ``tools``) through the chat template
         (``options``: as :meth:`chat_prompt` takes them)."""
         return self.chat_prompt(conversation, add_generation_prompt, tools=tools, **options)["prompt_token_ids"]
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first
+        (the same search as ``generate`` with ``SamplingParams(use_beam_search=True)``); a
+        sequence's ``tokens`` and ``text`` include the prompt's."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        results = []
+        for out in self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm):
+            beams = []
+            for c in out.outputs:
+                tokens = [*out.prompt_token_ids, *c.token_ids]
+                text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+                beams.append(BeamSearchSequence(tokens, c.logprobs or [], c.cumulative_logprob, text, c.finish_reason,
+                                                c.stop_reason))
+            results.append(BeamSearchOutput(beams))
+        return results
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated (deltas of the first completion).

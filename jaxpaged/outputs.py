@@ -57,6 +57,26 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class BeamSearchSequence:
+    """One beam of :meth:`jaxpaged.LLM.beam_search`, as vLLM's: ``tokens`` and ``text`` include
+    the prompt's (the text decoded from all the tokens, special ones kept)."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs]  # one dict a generated token
+    cum_logprob: float
+    text: str | None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best (by the length-penalised score) first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None

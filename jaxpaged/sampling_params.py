@@ -275,3 +275,37 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A copy that shares no mutable containers (``stop``, ``logit_bias``…) with this one."""
         return self.replace()
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's parameters of :meth:`jaxpaged.LLM.beam_search`: ``beam_width`` beams kept and
+    returned, ``max_tokens`` new tokens at most, scores ``cumulative logprob / length **
+    length_penalty``. ``temperature`` must be 0 (vLLM's default): jaxpaged's beams rank the
+    model's own log-probabilities. Checked when made, as the ``SamplingParams`` they run as."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width):
+            raise TypeError(f"beam_width must be an int, got {self.beam_width!r}")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if _is_real(self.temperature) and self.temperature != 0:
+            raise ValueError(f"temperature must be 0 for beam search (jaxpaged ranks the beams by the model's own "
+                             f"log-probabilities), got {self.temperature}")
+        self.sampling_params()
+
+    def sampling_params(self) -> SamplingParams:
+        """The same search as ``SamplingParams`` (``use_beam_search``), each token's top-``2 *
+        beam_width`` logprobs kept (at most :data:`MAX_LOGPROBS`), as vLLM's sequences carry them."""
+        width = self.beam_width
+        return SamplingParams(n=width, use_beam_search=True, beam_width=width, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos, temperature=0.0, length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              logprobs=min(2 * width, MAX_LOGPROBS))

@@ -291,6 +291,34 @@ def test_chat_template_options(tiny_engine_model):
         llm.tokenizer.chat_template = saved
 
 
+def test_beam_search_as_vllm_calls_it(tiny_engine_model):
+    """``LLM.beam_search(prompts, BeamSearchParams)``: the search ``SamplingParams(use_beam_search)``
+    runs, as vLLM's sequences (prompt tokens and text included, best first)."""
+    from jaxpaged import BeamSearchParams
+
+    llm = make(tiny_engine_model)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, length_penalty=0.5)
+    outs = llm.beam_search([PROMPTS[0], [5, 6, 7]], params)
+    plain = llm.generate([PROMPTS[0], [5, 6, 7]], SamplingParams(
+        n=3, use_beam_search=True, beam_width=3, max_tokens=6, ignore_eos=True, temperature=0, length_penalty=0.5),
+        use_tqdm=False)
+    for got, want in zip(outs, plain):
+        assert len(got.sequences) == 3
+        for seq, c in zip(got.sequences, want.outputs):
+            assert seq.tokens == want.prompt_token_ids + c.token_ids and seq.cum_logprob == c.cumulative_logprob
+            assert seq.text == llm.tokenizer.decode(seq.tokens) and seq.finish_reason == "length"
+            assert len(seq.logprobs) == 6 and all(len(p) >= 6 for p in seq.logprobs)  # top 2 x width a token
+        scores = [s.cum_logprob / (len(s.tokens) - len(want.prompt_token_ids)) ** 0.5 for s in got.sequences]
+        assert scores == sorted(scores, reverse=True)
+    with pytest.raises(ValueError, match="temperature must be 0 for beam search"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
+    with pytest.raises(ValueError, match="beam_width must be at least 1"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(TypeError, match="params must be BeamSearchParams"):
+        llm.beam_search("x", SamplingParams())
+    assert_no_leak(llm)
+
+
 def test_a_preempted_request_does_not_count_its_own_blocks_as_cached(tiny_engine_model):
     """``num_cached_tokens`` (the usage's cached_tokens) is what the prefix cache held at the
     first admission: recomputing after a preemption hits the request's own blocks, which are
