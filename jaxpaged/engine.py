@@ -130,9 +130,7 @@ class LLM:
             raise ValueError("enable_dp_attention needs data_parallel_size > 1 (the replicas it runs as one program)")
         if enable_dp_attention and replica_devices[0].platform != "cpu":
             raise ValueError(f"enable_dp_attention runs on CPU devices only, not {replica_devices[0].platform}")
-        source = model.source if isinstance(model, LoadedModel) else Path(model).expanduser() if isinstance(
-            model, (str, Path)) else None
-        overrides = default_sampling_overrides(generation_config, source)  # a bad one fails before loading
+        overrides = default_sampling_overrides(generation_config, _source(model))  # a bad one fails before loading
         if isinstance(model, LoadedModel):
             # Sharded, then in the form it runs in (shared by engines over the same model).
             lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
@@ -429,6 +427,11 @@ class LLM:
                 "spec_mean_acceptance_length": 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else 0.0}
 
 
+def _source(model) -> Path | str | None:
+    """Where ``LLM(model)`` loads from (None: the embedded model, or not a model)."""
+    return model.source if isinstance(model, LoadedModel) else model if isinstance(model, (str, Path)) else None
+
+
 def generate(prompts: PromptType | Seq[PromptType], model: str | Path | LoadedModel | None = None,
              **kwargs) -> str | list[str]:
     """One call from prompt(s) to text: ``kwargs`` go to ``LLM`` or ``SamplingParams`` by name
@@ -442,8 +445,7 @@ def generate(prompts: PromptType | Seq[PromptType], model: str | Path | LoadedMo
     if unknown:
         raise TypeError(f"generate() got unknown options {sorted(unknown)}")
     given = {k: v for k, v in kwargs.items() if k in sp_names}
-    source = model.source if isinstance(model, LoadedModel) else model if isinstance(model, (str, Path)) else None
-    defaults = default_sampling_overrides(kwargs.get("generation_config", "auto"), source)
+    defaults = default_sampling_overrides(kwargs.get("generation_config", "auto"), _source(model))
     params = SamplingParams(**for_request(defaults, beam_search=bool(given.get("use_beam_search"))), **given)
     llm = LLM(model, **{k: v for k, v in kwargs.items() if k in engine_names})  # (the params checked first)
     outs = llm.generate(prompts, params, use_tqdm=kwargs.get("use_tqdm", False))

@@ -186,11 +186,10 @@ class OpenAIRequest(BaseModel):
             return SamplingParams(
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                allowed_token_ids=self.allowed_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output, allowed_token_ids=self.allowed_token_ids,
+                ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, truncate_prompt_tokens=self.truncate_prompt_tokens,
-                use_beam_search=self.use_beam_search,
-                length_penalty=self.length_penalty, cache_salt=self.cache_salt,
+                use_beam_search=self.use_beam_search, length_penalty=self.length_penalty, cache_salt=self.cache_salt,
                 skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                 structured_outputs=structured, **given)
         except (ValueError, TypeError) as e:
@@ -358,9 +357,9 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                            param="top_logprobs", code="invalid_value")
-        return self._params(self.own_max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                            self.prompt_logprobs,
-                            constraint=schema, skip_special_tokens=skip, defaults=defaults)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(self.own_max_tokens, logprobs, self.prompt_logprobs, constraint=schema,
+                            skip_special_tokens=skip, defaults=defaults)
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]

@@ -202,8 +202,8 @@ class SamplingParams:
         need(self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens must be at least 1, got {self.max_tokens}")
         need(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}")
-        need(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,
-             f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
+        keep = self.truncate_prompt_tokens
+        need(keep is None or keep == -1 or keep >= 1, f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):

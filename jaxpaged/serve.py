@@ -188,7 +188,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = await add(body.prompts(), params, rid, body)
-        events = completion_events(engine, rid, model, streams, body, params.output_text_buffer_length, decode) if body.stream else None
+        held = params.output_text_buffer_length
+        events = completion_events(engine, rid, model, streams, body, held, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
 
     async def chat_token_ids(messages: list[dict[str, Any]], tools=None, options: dict[str, Any] | None = None
@@ -238,7 +239,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = served_model_name
         streams = await add([{"prompt_token_ids": ids}], params, rid, body)
-        events = chat_events(engine, rid, model, streams[0], body, params.output_text_buffer_length, tool_calls) if body.stream else None
+        held = params.output_text_buffer_length
+        events = chat_events(engine, rid, model, streams[0], body, held, tool_calls) if body.stream else None
         return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body, tool_calls))
 
     @app.post("/v1/responses")

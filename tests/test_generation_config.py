@@ -33,7 +33,8 @@ def test_the_models_generation_config_is_the_default_sampling(llm, folder, tiny_
     want = SamplingParams(temperature=0.0, top_p=0.9, top_k=20, max_tokens=5)
     assert llm.get_default_sampling_params() == want  # (bos_token_id and do_sample: not sampling fields)
     out = llm.generate(PROMPT, use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) <= 5 and out.token_ids == llm.generate(PROMPT, want, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out.token_ids) <= 5
+    assert out.token_ids == llm.generate(PROMPT, want, use_tqdm=False)[0].outputs[0].token_ids
     ours = LLM(str(folder), **ENGINE, generation_config="vllm")
     assert ours.get_default_sampling_params() == SamplingParams()
     other = LLM(str(tiny_engine_folder), **ENGINE, generation_config=str(folder))  # another folder's file
