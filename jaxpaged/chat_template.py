@@ -14,6 +14,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+
 class ChatTemplateError(ValueError):
     """A chat template that does not compile (its message starts with the option's name)."""
 
