@@ -347,7 +347,7 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first
         (the same search as ``generate`` with ``SamplingParams(use_beam_search=True)``); a
-        sequence's ``tokens`` and ``text`` include the prompt's."""
+        sequence's ``tokens`` and ``text`` include the prompt's (the text not a final EOS)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         results = []
@@ -355,7 +355,9 @@ class LLM:
             beams = []
             for c in out.outputs:
                 tokens = [*out.prompt_token_ids, *c.token_ids]
-                text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+                shown = tokens[:-1] if c.token_ids and not params.ignore_eos and c.token_ids[-1] in self.eos_ids \
+                    else tokens  # (vLLM leaves a final EOS out of the text)
+                text = self.tokenizer.decode(shown) if self.tokenizer is not None else None
                 beams.append(BeamSearchSequence(tokens, c.logprobs or [], c.cumulative_logprob, text, c.finish_reason,
                                                 c.stop_reason))
             results.append(BeamSearchOutput(beams))

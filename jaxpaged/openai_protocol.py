@@ -182,6 +182,8 @@ class OpenAIRequest(BaseModel):
         given = {k: getattr(self, k) if getattr(self, k) is not None else sampling.get(k)
                  for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         given = {k: v for k, v in given.items() if v is not None}
+        if self.use_beam_search:
+            given.setdefault("temperature", 0.0)  # (beam search is deterministic: vLLM takes none given so)
         try:
             return SamplingParams(
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -509,8 +509,9 @@ class ModelRunner:
 
     def token_bitmask(self, batch_rows, num_rows: int) -> np.ndarray | None:
         """The token masks of ``num_rows`` padded sampling rows: the structured outputs'
-        (llguidance's work, ~0.3 ms a row on CPU) and ``allowed_token_ids``; None if no row has
-        one (a finished sequence's row has none)."""
+        (llguidance's work, ~0.3 ms a row on CPU) and ``allowed_token_ids``, both where a row has
+        both (the grammar's alone where they share no token); None if no row has one (a
+        finished sequence's row has none)."""
         live = [(i, r) for i, r in enumerate(batch_rows) if not r.seq.finished]
         grammars = [(i, r.matcher) for i, r in live if r.matcher is not None]
         allowed = [(i, r.seq.request.allowed_mask) for i, r in live if r.seq.request.allowed_mask is not None]
@@ -518,8 +519,10 @@ class ModelRunner:
             return None
         mask = token_bitmask(grammars, num_rows, self.vocab_size) if grammars else \
             np.full((num_rows, -(-self.vocab_size // 32)), -1, np.int32)
-        for i, words in allowed:
-            mask[i] &= words
+        for i, words in allowed:  # a grammar that allows none of them wins (its output stays valid)
+            both = mask[i] & words
+            if both.any():
+                mask[i] = both
         return mask
 
     def sampling(self, batch_rows, num_rows: int, prompt_lp_rows) -> tuple:

@@ -1,5 +1,7 @@
 """The engine on a tiny random model: scheduling, caching and preemption never change tokens."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -312,6 +314,16 @@ def test_beam_search_as_vllm_calls_it(tiny_engine_model):
         assert scores == sorted(scores, reverse=True)
     with pytest.raises(ValueError, match="temperature must be 0 for beam search"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
+    # A beam ended by EOS: its text leaves the EOS out (vLLM's); made likely by taking the greedy
+    # first token as the EOS of a copy of the model.
+    eos = llm.generate(PROMPTS[0], GREEDY.replace(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids[0]
+    copy = dataclasses.replace(tiny_engine_model, config=dataclasses.replace(tiny_engine_model.config,
+                                                                          eos_token_ids=(eos,)))
+    ended = make(copy).beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=0.0))
+    ended = ended[0].sequences  # (length_penalty 0: the short beam, ended by EOS, ranks first)
+    assert any(s.tokens[-1] == eos for s in ended)
+    for s in ended:
+        assert s.text == llm.tokenizer.decode(s.tokens[:-1] if s.tokens[-1] == eos else s.tokens)
     with pytest.raises(ValueError, match="beam_width must be at least 1"):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(TypeError, match="params must be BeamSearchParams"):
@@ -350,6 +362,8 @@ def test_allowed_token_ids_mask_only_their_own_rows(tiny_engine_model):
         assert set(o.outputs[0].token_ids) <= set(allowed) and len(o.outputs[0].token_ids) == 24
     assert outs[0].outputs[0].token_ids[0] == alone[0][0]  # the greedy pick was allowed: still taken first
     assert [o.outputs[0].token_ids for o in outs[2:4]] == alone and outs[4].outputs[0].text == digits
+    digits_only = llm.generate(PROMPTS[2], regex.replace(allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    assert digits_only.text == digits  # sharing no token with the grammar's: the grammar wins, its output valid
     with pytest.raises(ValueError, match=r"allowed_token_ids \[\d+\] are outside the vocabulary"):
         llm.generate(PROMPTS[0], GREEDY.replace(allowed_token_ids=[1, llm.config.vocab_size]), use_tqdm=False)
     assert_no_leak(llm)

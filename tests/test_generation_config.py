@@ -110,7 +110,7 @@ def test_a_default_max_tokens_is_cut_to_what_fits_and_beams_take_only_it(roomy_d
             r = h.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 60})
             assert r.status_code == 400 and "max_tokens is too large: 60" in r.json()["error"]["message"]
             beam = h.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "use_beam_search": True,
-                                                   "n": 2, "temperature": 0})  # top_p 0.9 not taken
+                                                   "n": 2})  # temperature 0 (deterministic), top_p 0.9 not taken
             assert beam.status_code == 200 and len(beam.json()["choices"]) == 2, beam.text
     finally:
         srv.stop()
