@@ -301,6 +301,8 @@ class ChatTemplateFields(BaseModel):
 class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
     """``POST /v1/chat/completions``."""
 
+    echo: bool = False  # vLLM's: the reply's content leads with the last message's, of the same role
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
@@ -365,6 +367,13 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]
+
+    def echoed(self) -> str:
+        """vLLM's chat ``echo``: the last message's content, which the reply's content leads
+        with when their roles are the same (a continued message), else ''."""
+        if not self.echo or self.messages[-1].role != self.reply_role():
+            return ""
+        return self.messages[-1].as_template_dict()["content"]
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -510,6 +519,8 @@ def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatComp
     choices = []
     for c in out.outputs:
         message, reason = chat_message(c, tool_calls, req.reply_role())
+        if echo := req.echoed():
+            message["content"] = echo + (message["content"] or "")
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
                         "finish_reason": reason, "stop_reason": c.stop_reason})

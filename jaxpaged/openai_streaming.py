@@ -149,6 +149,10 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
                 yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"role": body.reply_role(), "content": ""},
                                                   "logprobs": None, "finish_reason": None}],
                             choice_usage(out, None) if body.continuous_usage else None)
+                if echo := body.echoed():
+                    yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"content": echo},
+                                                      "logprobs": None, "finish_reason": None}],
+                                choice_usage(out, None) if body.continuous_usage else None)
             d = deltas.next(c.index, c.text, len(c.token_ids), c.finish_reason is not None)
             if d is None:
                 continue

@@ -423,6 +423,16 @@ def test_chat_template_options_reach_the_template(srv, http, client, offline, ti
     reply = client.chat.completions.create(model=MODEL, messages=prefix, max_tokens=1, extra_body={
         "continue_final_message": True, "add_generation_prompt": False})
     assert reply.usage.prompt_tokens == len(cont)
+    # vLLM's echo: a continued message's reply leads with it, streamed or not; a new turn's does not.
+    kw = dict(model=MODEL, messages=prefix, max_tokens=3, temperature=0, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "echo": True})
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    plain = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": False}})
+    assert whole == "Paged attention is" + plain.choices[0].message.content
+    assert _stream_chat(client, **{k: v for k, v in kw.items() if k != "model"})[0] == {0: whole}
+    new_turn = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                              extra_body={"echo": True}).choices[0].message.content
+    assert not new_turn.startswith(CHAT[-1]["content"])
     served = Running(LLM(tiny_engine_model, **ENGINE), chat_template=flag, trust_request_chat_template=True)
     try:
         with httpx.Client(base_url=served.url, headers=AUTH) as h:
