@@ -7,9 +7,9 @@ become the engine's defaults: ``LLM.get_default_sampling_params()``, what ``gene
 ``chat`` use without sampling parameters, the fields ``jaxpaged.generate`` and
 ``jaxpaged-generate`` are not given, and, in the server, the value of each of those fields a
 request leaves unset (``max_new_tokens`` cut to what fits beside the prompt; a beam search
-request takes only that one). ``"vllm"``
-keeps vLLM's (and jaxpaged's) own defaults; a folder path reads that folder's file instead of
-the model's. A GGUF file carries no generation config. No jax here.
+request takes only that one). ``"vllm"`` keeps vLLM's (and jaxpaged's) own defaults; a folder
+path reads that folder's file instead of the model's. A GGUF file carries no generation
+config. No jax here.
 """
 
 from __future__ import annotations
