@@ -91,6 +91,7 @@ class OpenAIRequest(BaseModel):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>" (None: the server's)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Any = None
     structured_outputs: Any = None
@@ -430,13 +431,19 @@ def echo_text(out: RequestOutput, decode: Callable[[list[int]], str]) -> str:
     return out.prompt if out.prompt is not None else decode(out.prompt_token_ids)
 
 
+def token_name(token_id: int, text: str | None, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or (vLLM's ``return_tokens_as_token_ids``) ``"token_id:<id>"``."""
+    return f"token_id:{token_id}" if as_id else text or ""
+
+
 def completion_logprobs(c: CompletionOutput | None, start: int = 0, text_offset: int = 0, *,
-                        echo: RequestOutput | None = None,
-                        decode: Callable[[list[int]], str] | None = None) -> dict[str, list]:
+                        echo: RequestOutput | None = None, decode: Callable[[list[int]], str] | None = None,
+                        as_ids: bool = False) -> dict[str, list]:
     """The legacy completions ``logprobs`` object of ``c``'s tokens ``start:`` (none when ``c``
     is None), offsets from ``text_offset``; with ``echo``, its prompt's tokens first (their
     ``prompt_logprobs``; the first token, which nothing scores, has ``None`` and its text from
-    ``decode``), as vLLM returns them."""
+    ``decode``), as vLLM returns them; ``as_ids``: tokens named by id (:func:`token_name`), the
+    offsets counting those names, as vLLM's do."""
     pairs: list[tuple[int, PositionLogprobs | None]] = []
     if echo is not None:
         pairs += zip(echo.prompt_token_ids, echo.prompt_logprobs or [None] * len(echo.prompt_token_ids))
@@ -446,29 +453,30 @@ def completion_logprobs(c: CompletionOutput | None, start: int = 0, text_offset:
     offset = text_offset
     for tid, entry in pairs:
         if entry is None:
-            tokens.append(decode([tid]) if decode is not None else "")
+            tokens.append(token_name(tid, decode([tid]) if decode is not None else "", as_ids))
             token_logprobs.append(None)
             top.append(None)
         else:
-            tokens.append(entry[tid].decoded_token or "")
+            tokens.append(token_name(tid, entry[tid].decoded_token, as_ids))
             token_logprobs.append(entry[tid].logprob)
-            top.append({(e.decoded_token or ""): e.logprob for e in sorted(entry.values(), key=lambda e: e.rank)})
+            top.append({token_name(t, e.decoded_token, as_ids): e.logprob
+                        for t, e in sorted(entry.items(), key=lambda te: te[1].rank)})
         offsets.append(offset)
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(c: CompletionOutput, num_top: int, start: int = 0) -> dict[str, list]:
-    """The chat ``logprobs`` object (``{"content": [...]}``) of tokens ``start:``."""
-    def item(text: str | None, logprob: float) -> dict:
-        text = text or ""
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def chat_logprobs(c: CompletionOutput, num_top: int, start: int = 0, as_ids: bool = False) -> dict[str, list]:
+    """The chat ``logprobs`` object (``{"content": [...]}``) of tokens ``start:`` (``as_ids``: see
+    :func:`token_name`)."""
+    def item(token_id: int, e) -> dict:
+        name = token_name(token_id, e.decoded_token, as_ids)
+        return {"token": name, "logprob": e.logprob, "bytes": list(name.encode())}
 
     content = []
     for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-        top = sorted((e for e in entry.values() if e.rank <= num_top), key=lambda e: e.rank)
-        content.append({**item(entry[tid].decoded_token, entry[tid].logprob),
-                        "top_logprobs": [item(e.decoded_token, e.logprob) for e in top]})
+        top = sorted(((t, e) for t, e in entry.items() if e.rank <= num_top), key=lambda te: te[1].rank)
+        content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, e) for t, e in top]})
     return {"content": content}
 
 
@@ -492,7 +500,8 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
             shown = None if req.echo_only else c
             choices.append({
                 "index": i * req.n + c.index, "text": prompt + (shown.text if shown is not None else ""),
-                "logprobs": (completion_logprobs(shown, echo=o if req.echo else None, decode=decode)
+                "logprobs": (completion_logprobs(shown, echo=o if req.echo else None, decode=decode,
+                                                 as_ids=bool(req.return_tokens_as_token_ids))
                              if req.logprobs is not None else None),
                 "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason,
                 **({"prompt_logprobs": prompt_logprobs(o)} if o.prompt_logprobs is not None else {})})
@@ -522,7 +531,8 @@ def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatComp
         if echo := req.echoed():
             message["content"] = echo + (message["content"] or "")
         choices.append({"index": c.index, "message": message,
-                        "logprobs": chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None,
+                        "logprobs": chat_logprobs(c, req.top_logprobs or 0, as_ids=bool(req.return_tokens_as_token_ids))
+                        if req.logprobs else None,
                         "finish_reason": reason, "stop_reason": c.stop_reason})
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage([out])}

@@ -120,6 +120,7 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(None if body.echo_only else c, first, offsets.get(index, 0),
+                                               as_ids=bool(body.return_tokens_as_token_ids),
                                                echo=out if echo else None, decode=decode)
                 if logprobs["tokens"]:  # offsets run on as in the whole response's logprobs
                     offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
@@ -169,7 +170,8 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
                     continue
             yield chunk(rid, model, "chat", [{
                 "index": c.index, "delta": delta,
-                "logprobs": chat_logprobs(c, body.top_logprobs or 0, first) if body.logprobs else None,
+                "logprobs": chat_logprobs(c, body.top_logprobs or 0, first, bool(body.return_tokens_as_token_ids))
+                if body.logprobs else None,
                 "finish_reason": reason, "stop_reason": c.stop_reason}],
                 choice_usage(out, c) if body.continuous_usage else None)
 

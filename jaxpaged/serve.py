@@ -54,7 +54,7 @@ _TYPE_IN_LOC = re.compile(r"(str|int|float|bool|none|dict|list)(\[.*\])?")
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
               tool_call_parser: str | None = None, responses_store_size: int = 1024, chat_template: str | None = None,
-              trust_request_chat_template: bool = False):
+              trust_request_chat_template: bool = False, return_tokens_as_token_ids: bool = False):
     """The FastAPI app serving ``engine`` under the name ``served_model_name``; with
     ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``. With
     ``tool_call_parser`` (one of :data:`~jaxpaged.tool_calling.TOOL_PARSERS`), chat requests may
@@ -62,7 +62,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     choices need no parser. ``/v1/responses`` keeps the ``responses_store_size`` most recent
     stored responses (see :mod:`jaxpaged.openai_responses`). ``chat_template`` (a Jinja
     template) replaces the model's; a request's own ``chat_template`` is refused unless
-    ``trust_request_chat_template``."""
+    ``trust_request_chat_template``. ``return_tokens_as_token_ids``: logprobs name tokens
+    ``"token_id:<id>"`` unless a request says otherwise (vLLM's)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     if responses_store_size < 0:
@@ -129,6 +130,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     def checked_params(body: CompletionRequest | ChatCompletionRequest):
         """The request's SamplingParams, once its model and options are known to be servable."""
         check_model(body.model)
+        if body.return_tokens_as_token_ids is None:
+            body.return_tokens_as_token_ids = return_tokens_as_token_ids
         defaults = engine.llm.default_sampling_overrides  # the model's generation config's
         if isinstance(body, ChatCompletionRequest):
             params = body.sampling_params(tool_call_parser, defaults)
@@ -433,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the chat template to use instead of the model's: a file, or the Jinja template itself")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat requests bring their own chat_template (refused by default)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:<id>" (a request\'s return_tokens_as_token_ids wins)')
     add_engine_args(p)
     return p
 
@@ -464,7 +469,8 @@ def run(argv: list[str] | None = None) -> int:
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser,
                     responses_store_size=args.responses_store_size, chat_template=template,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

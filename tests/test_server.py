@@ -514,6 +514,42 @@ def test_chat_logprobs(client):
         assert item.bytes == list(item.token.encode())
 
 
+def test_logprobs_name_tokens_by_id_when_asked(client, offline):
+    """vLLM's ``return_tokens_as_token_ids``: every token in logprobs is ``"token_id:<id>"``, the
+    chosen ones the ids generated, with the same logprobs; completions' offsets count those names."""
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    named = client.chat.completions.create(**kw, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    plain = client.chat.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    ids = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    content = named.choices[0].logprobs.content
+    assert [item.token for item in content] == [f"token_id:{t}" for t in ids]
+    assert [item.logprob for item in content] == pytest.approx([item.logprob for item in plain.logprobs.content],
+                                                               rel=1e-5)  # (the second finds the prompt cached)
+    assert all(item.bytes == list(item.token.encode()) and all(t.token.startswith("token_id:") for t in
+               item.top_logprobs) for item in content)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2, echo=True,
+                                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0]
+    prompt_ids = offline.tokenizer.encode(PROMPTS[0])
+    assert r.logprobs.tokens[:len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids]
+    assert all(k.startswith("token_id:") for top in r.logprobs.top_logprobs[1:] for k in top)
+    offsets = r.logprobs.text_offset
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [len(t) for t in r.logprobs.tokens[:-1]]
+
+
+def test_the_server_may_name_tokens_by_id_by_default(tiny_engine_model):
+    served = Running(LLM(tiny_engine_model, **ENGINE), return_tokens_as_token_ids=True)
+    try:
+        with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as h:
+            body = {"prompt": PROMPTS[0], "max_tokens": 2, "logprobs": 1}
+            assert h.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"][0].startswith(
+                "token_id:")
+            off = h.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+            assert not off["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")  # the request's wins
+    finally:
+        served.stop()
+
+
 def test_16_concurrent_streaming_clients_get_exactly_what_they_get_alone(srv, client):
     specs = [dict(prompt=PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), max_tokens=8 + i % 5,
                   temperature=0 if i % 2 else 0.9, seed=i) for i in range(16)]
