@@ -186,7 +186,7 @@ class AsyncLLM:
             return dataclasses.replace(self._stats, num_waiting=self._waiting())
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                    request_id: str | None = None) -> RequestStream:
+                    request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Validate and queue a request; returns the stream of its outputs. Call it on the
         event loop that will read the stream. It tokenizes on the caller's thread: a server
         uses ``add_requests``, which does not.
@@ -199,11 +199,12 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         self._check_room()
         # Tokenizing and validating outside the lock never stalls the engine thread.
-        return self._hand_over([self.llm.inputs.process(prompt, params, request_id, self._streams)], loop)[0]
+        return self._hand_over([self.llm.inputs.process(prompt, params, request_id, self._streams, priority)],
+                               loop)[0]
 
     async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
-                           request_ids: list[str], check: Callable[[Request], None] | None = None
-                           ) -> list[RequestStream]:
+                           request_ids: list[str], check: Callable[[Request], None] | None = None,
+                           priority: int = 0) -> list[RequestStream]:
         """``add_request`` for a batch of prompts, all queued or none: the batch is admitted
         whole when fewer than ``max_waiting_requests`` requests wait as it arrives, and its
         prompts are tokenized on the tokenizer thread, so a long prompt never stalls the
@@ -218,7 +219,8 @@ class AsyncLLM:
         self._check_room(reserve=len(prompts))
 
         def process():
-            reqs = [self.llm.inputs.process(p, params, rid, self._streams) for p, rid in zip(prompts, request_ids)]
+            reqs = [self.llm.inputs.process(p, params, rid, self._streams, priority)
+                    for p, rid in zip(prompts, request_ids)]
             for req in reqs if check is not None else ():
                 check(req)
             return reqs
@@ -276,12 +278,12 @@ class AsyncLLM:
         return streams
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs as they change; the last one is finished.
 
         Stopping the iteration early (``break``, cancellation) aborts the request.
         """
-        async with self.add_request(prompt, params, request_id=request_id) as stream:
+        async with self.add_request(prompt, params, request_id=request_id, priority=priority) as stream:
             async for out in stream:
                 yield out
 

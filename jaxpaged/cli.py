@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: requests run in order of their priority (lower first), then of arrival, "
+                        "and may preempt running ones of a later priority (fcfs refuses a priority other than 0)")
     e.add_argument("--swap-space", default="0", help="host memory for swapped KV blocks, e.g. 1GiB")
     e.add_argument("--attention-backend", choices=["auto", "pallas", "pallas_tpu", "pallas_gpu", "xla", "reference"],
                    default="auto", help="auto: pallas_tpu on TPU, pallas_gpu on GPU, xla on CPU")
@@ -87,13 +90,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size, async_scheduling=not args.no_async_scheduling,
                 kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size,
                 enable_dp_attention=args.enable_dp_attention, speculative_config=args.speculative_config,
-                generation_config=args.generation_config)
+                generation_config=args.generation_config, scheduling_policy=args.scheduling_policy)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Generate text with jaxpaged (PagedAttention in JAX).")
     p.add_argument("prompts", nargs="*", help="prompts; none or '-' reads standard input, one per line")
-    p.add_argument("--file", type=Path, help="prompts file: one per line, or .jsonl with 'prompt' + sampling options")
+    p.add_argument("--file", type=Path, help="prompts file: one per line, or .jsonl with 'prompt' + sampling options "
+                                                   "(and 'priority', with --scheduling-policy priority)")
     p.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--system", help="system message for --chat")
@@ -209,10 +213,16 @@ def run(argv: list[str] | None = None) -> int:
     if base.get("use_beam_search") and "beam_width" not in base:
         base["beam_width"] = 4
     items = _read_prompts(args)
-    params = []
+    params, priorities = [], []
     for _, extra in items:
         where = extra.pop("_line", None)
         try:
+            priority = extra.pop("priority", 0)
+            if isinstance(priority, bool) or not isinstance(priority, int):
+                raise TypeError(f"priority must be an int, got {priority!r}")
+            if priority and args.scheduling_policy != "priority":
+                raise ValueError(f"priority {priority} needs --scheduling-policy priority")
+            priorities.append(priority)
             unknown = set(extra) - fields
             if unknown:
                 raise ValueError(f"unknown sampling options {sorted(unknown)}")
@@ -249,7 +259,7 @@ def run(argv: list[str] | None = None) -> int:
         stats = llm.stats()
         print(f"[{stats['num_steps']} steps in {elapsed:.1f} s]", file=sys.stderr)
         return 0
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress and not args.json)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress and not args.json, priority=priorities)
     elapsed = time.perf_counter() - start
     for (text, _), o in zip(items, outputs):
         if args.json:

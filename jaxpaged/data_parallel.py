@@ -99,8 +99,8 @@ class DataParallelScheduler:
 
     # ---- requests -------------------------------------------------------------------
 
-    def check_request(self, num_prompt_tokens: int, params) -> None:
-        self.parts[0].check_request(num_prompt_tokens, params)  # the replicas are configured alike
+    def check_request(self, num_prompt_tokens: int, params, priority: int = 0) -> None:
+        self.parts[0].check_request(num_prompt_tokens, params, priority)  # the replicas are configured alike
 
     def _load(self, i: int) -> int:
         p = self.parts[i]

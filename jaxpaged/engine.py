@@ -67,6 +67,11 @@ class LLM:
       max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
       enable_prefix_caching: share the KV of identical prompt prefixes across requests.
       preemption_mode: ``"recompute"`` or ``"swap"`` (needs ``swap_space``).
+      scheduling_policy: ``"fcfs"`` (first come, first served) or ``"priority"`` (vLLM's):
+        requests run in order of their ``priority`` (lower first), then of arrival; a request
+        may preempt running ones of a later priority to make room for itself, as an older one
+        does a newer under FCFS (:mod:`jaxpaged.scheduler`). Under FCFS a priority other than 0
+        is refused.
       swap_space: bytes (or a size string) of host memory for swapped-out KV blocks.
       attention_backend: ``"auto"`` (Pallas on TPU and GPU, XLA on CPU), ``"pallas"``,
         ``"pallas_tpu"``, ``"pallas_gpu"``, ``"xla"`` or ``"reference"`` (:mod:`jaxpaged.attention`).
@@ -118,12 +123,13 @@ class LLM:
                  attention_backend: str = "auto", seed: int = 0, debug_checks: bool = False,
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
                  kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False,
-                 speculative_config: SpeculativeConfig | dict | None = None, generation_config: str | Path = "auto"):
+                 speculative_config: SpeculativeConfig | dict | None = None, generation_config: str | Path = "auto",
+                 scheduling_policy: str = "fcfs"):
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
                           attention_backend, seed, debug_checks, kv_allocator, tensor_parallel_size, async_scheduling,
-                          kv_cache_dtype, data_parallel_size, speculative_config)
+                          kv_cache_dtype, data_parallel_size, speculative_config, scheduling_policy)
         request_cpu_devices(data_parallel_size * tensor_parallel_size)  # CPU: made here if jax has not started
         replica_devices = data_parallel_devices(data_parallel_size, tensor_parallel_size)
         if enable_dp_attention and replica_devices is None:
@@ -165,7 +171,8 @@ class LLM:
                                   block_bytes=block_bytes, model_id=str(lm.source))
             scheduler = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, eos_ids=self.eos_ids,
-                                  preemption_mode=preemption_mode, speculative_config=args.speculative_config)
+                                  preemption_mode=preemption_mode, speculative_config=args.speculative_config,
+                                  scheduling_policy=scheduling_policy)
             runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
                                  max_model_len=self.max_model_len, eos_ids=self.eos_ids,
                                  num_host_blocks=bm.num_host_blocks, dtype=self.kv_cache_dtype, device=device)
@@ -215,9 +222,10 @@ class LLM:
         return ChainMap(self.core.requests, self._unclaimed, self._claimed)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises before any work if it is invalid."""
-        req = self.inputs.process(prompt, params, request_id, self._live())
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request; returns its id. Raises before any work if it is invalid.
+        ``priority``: lower runs first (needs ``scheduling_policy="priority"``)."""
+        req = self.inputs.process(prompt, params, request_id, self._live(), priority)
         self.core.add(req)
         return req.request_id
 
@@ -250,13 +258,20 @@ class LLM:
     # ---- convenience APIs -----------------------------------------------------------
 
     def generate(self, prompts: PromptType | Seq[PromptType], sampling_params: SamplingParams
-                 | Seq[SamplingParams] | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for one or many prompts; outputs come back in input order."""
+                 | Seq[SamplingParams] | None = None, *, use_tqdm: bool = True,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for one or many prompts; outputs come back in input order.
+        ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
         from tqdm.auto import tqdm
 
+        pairs = pair_prompts(prompts, sampling_params)
+        if priority is None:
+            priority = [0] * len(pairs)
+        elif isinstance(priority, (str, bytes)) or not isinstance(priority, Seq) or len(priority) != len(pairs):
+            raise ValueError(f"priority must be a list of one int per prompt ({len(pairs)}), got {priority!r}")
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
-        for p, sp in pair_prompts(prompts, sampling_params):
-            reqs.append(self.inputs.process(p, sp, None, self._live()))  # auto ids: distinct among themselves
+        for (p, sp), prio in zip(pairs, priority):
+            reqs.append(self.inputs.process(p, sp, None, self._live(), prio))  # auto ids: distinct among themselves
         inbox: dict[str, Request] = {}
         for r in reqs:
             self.core.add(r)

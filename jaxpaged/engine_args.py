@@ -11,6 +11,7 @@ import re
 
 from jaxpaged.attention import BACKENDS, resolve_backend
 from jaxpaged.kv_cache import check_kv_cache_dtype
+from jaxpaged.scheduler import SCHEDULING_POLICIES
 from jaxpaged.spec_decode import SpeculativeConfig, as_speculative_config
 
 DEFAULT_CPU_KV_MEMORY = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -64,6 +65,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     data_parallel_size: int = 1
     speculative_config: SpeculativeConfig | dict | None = None  # a dict becomes a SpeculativeConfig
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", as_speculative_config(self.speculative_config))
@@ -82,6 +84,8 @@ class EngineArgs:
                 _check_int(name, getattr(self, name), minimum)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r}; choose 'recompute' or 'swap'")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; choose from {SCHEDULING_POLICIES}")
         if self.preemption_mode == "swap" and not self.swap_bytes:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (host memory for KV blocks)")
         if self.kv_cache_memory is not None:

@@ -133,8 +133,8 @@ class InputProcessor:
       tokenizer: a Hugging Face tokenizer, or None (prompts must then be token ids).
       vocab_size: the model's vocabulary size.
       max_model_len: most tokens (prompt + output) per sequence.
-      check_request: ``(num_prompt_tokens, params)`` raising ``ValueError`` if the engine
-        could never run such a request (the scheduler's ``check_request``).
+      check_request: ``(num_prompt_tokens, params, priority)`` raising ``ValueError`` if the
+        engine could never run such a request (the scheduler's ``check_request``).
       seed: seeds the seeds of requests that do not set one.
       eos_ids: the model's end-of-sequence tokens (what a complete structured output allows).
       default_params: a request's parameters when it gives none (the model's generation config's,
@@ -142,7 +142,7 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
-                 check_request: Callable[[int, SamplingParams], None], seed: int = 0,
+                 check_request: Callable[[int, SamplingParams, int], None], seed: int = 0,
                  eos_ids: Sequence[int] = (), default_params: SamplingParams | None = None):
         self.tokenizer = tokenizer
         self.default_params = SamplingParams() if default_params is None else default_params
@@ -200,7 +200,7 @@ class InputProcessor:
         if bad:
             raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def check(self, prompt: PromptType, params: SamplingParams | None
+    def check(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0
               ) -> tuple[str | None, list[int], SamplingParams]:
         """``(text or None, token ids, params)`` of a request that the engine can run; no side
         effects (no request id or seed drawn), so a caller can check many before queuing any.
@@ -226,13 +226,13 @@ class InputProcessor:
         self._check_in_vocab(params.logit_bias or {}, "logit_bias token ids")
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids")
         self._check_in_vocab(params.allowed_token_ids or (), "allowed_token_ids")
-        self.check_request(len(ids), params)
+        self.check_request(len(ids), params, priority)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
         return text, ids, params
 
     def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
-                live: Container[str]) -> Request:
+                live: Container[str], priority: int = 0) -> Request:
         """A validated request (:meth:`check`), not queued yet.
 
         Args:
@@ -241,7 +241,7 @@ class InputProcessor:
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
         """
-        text, ids, params = self.check(prompt, params)
+        text, ids, params = self.check(prompt, params, priority)
         if request_id is not None:
             request_id = str(request_id)
             if not request_id:
@@ -252,7 +252,7 @@ class InputProcessor:
             request_id = next(i for i in map(str, self._ids) if i not in live)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 1 << 63))
         beam = BeamSearch(params.beam_width, params.length_penalty) if params.use_beam_search else None
-        req = Request(request_id, text, ids, params, time.monotonic(), seed, beam)
+        req = Request(request_id, text, ids, params, time.monotonic(), seed, beam, int(priority))
         if params.allowed_token_ids is not None:
             req.allowed_mask = allowed_bitmask(params.allowed_token_ids, self.vocab_size)
         if self.tokenizer is not None:

@@ -88,6 +88,7 @@ class OpenAIRequest(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: lower runs first (the server's --scheduling-policy priority)
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None

@@ -100,6 +100,7 @@ class ResponsesRequest(BaseModel):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
+    priority: int = 0
 
     def check(self) -> None:
         """Refuse what is not served, and strings that are not Unicode, naming the field."""
@@ -208,7 +209,7 @@ class ResponsesRequest(BaseModel):
             "response_format": self.response_format(), "user": self.user, "logprobs": self.logprobs,
             "top_logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             **{k: getattr(self, k) for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                                             "stop", "ignore_eos", "cache_salt")},
+                                             "stop", "ignore_eos", "cache_salt", "priority")},
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

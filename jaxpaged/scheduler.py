@@ -4,19 +4,24 @@
 sequence limit (``max_num_seqs``); ``update_from_output()`` applies what the step sampled.
 The engine only moves data between the two and the runner. No jax here.
 
-Deciding a step, in this order:
+Requests are ordered by ``sort_key``: arrival (FCFS, the default), or with
+``scheduling_policy="priority"`` their ``priority`` first (lower first), then arrival. A step
+walks the running and the queued (waiting or preempted) requests in that order:
 
-1. Running requests, oldest first, get their next tokens: one per decoding sequence, or
-   the next chunk of a prompt (or of a recomputation). The sequences of one request
-   advance to a common position, so samples and beams always sample in the same step.
-   A request that needs a block (or, with the contiguous allocator, a region for its
-   forks) when none is free preempts the newest running request, possibly itself.
+1. A running request gets its next tokens: one per decoding sequence, or the next chunk of
+   a prompt (or of a recomputation). The sequences of one request advance to a common
+   position, so samples and beams always sample in the same step. A request that needs a
+   block (or, with the contiguous allocator, a region for its forks) when none is free
+   preempts the last running request in that order, possibly itself.
    With ``speculative_config``, a decoding sequence's token comes with its n-gram drafts
    (:mod:`jaxpaged.spec_decode`), in the budget and only in slots the pool has to spare.
-2. In a step that preempted nothing, preempted and waiting requests resume oldest first:
-   a swapped request when its blocks (and this step's chunk) fit, a waiting one when it
-   can be admitted above the watermark; with the contiguous allocator, a request yet to
-   fork also waits for its forks' regions. The first that does not fit stops the queue.
+2. A queued request resumes at its place in the walk (under FCFS, after every running
+   one): a swapped request when its blocks (and this step's chunk) fit, a waiting one when
+   it can be admitted above the watermark; with the contiguous allocator, a request yet to
+   fork also waits for its forks' regions. While it does not fit, it preempts the running
+   requests after it, last first (only under priority scheduling are there any). It waits
+   in a step that preempted a request no worse than it (under FCFS: in any step that
+   preempted), and the first that waits stops the queue for the step.
 
 Preemption frees every block of a request: ``"recompute"`` sends it back to the waiting
 queue (its prompt and output are prefilled again later, and hit the prefix cache if it
@@ -29,18 +34,21 @@ pool a request needs does not grow with its preemptions.
 
 Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
 
-- **FCFS.** Requests run in arrival order: every running request arrived before every
-  waiting or preempted one. So a request is only preempted for an older one, and the
-  oldest running request is never preempted.
-- **Progress.** Every step either advances the oldest running request, or finishes a
+- **Order.** A request is only preempted for a better one (FCFS: an older one), and while
+  a preempted request waits, every running request is better than it. Under FCFS every
+  running request arrived before every waiting or preempted one, so the oldest running
+  request is never preempted. Under priority scheduling a request that arrives with a
+  better priority than running ones preempts them when it does not fit beside them (vLLM
+  V1 only preempts for running requests; its V0 did this too).
+- **Progress.** Every step either advances the best running request, or finishes a
   request. A request that cannot fit the pool even alone (its sequences outgrew it; never
   one that fits it alone on the same engine) is finished: its live sequences with
   ``finish_reason="length"`` and a ``finish_detail`` saying why (samples and beam
   hypotheses that finished before keep their own reason), and a warning is logged; the
   engine goes on. Nothing raises out of a step because of traffic.
-- **Bounded preemption.** Since only older requests preempt it, a request is preempted
-  at most once per block (or region) its elders allocate while it runs; once it is the
-  oldest, never again.
+- **Bounded preemption.** Since only better requests preempt it, a request is preempted
+  at most once per block (or region) its betters allocate while it runs; once it is the
+  best, never again (under priority scheduling, a better one may still arrive).
 - **Sequence limit.** ``max_num_seqs`` counts every sequence, forks included: a request
   holds ``n`` (or ``beam_width``) sequence slots from admission until it forks, then one
   per live sample (every beam slot while beams run).
@@ -62,6 +70,7 @@ requests.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -78,6 +87,16 @@ from jaxpaged.spec_decode import SpeculativeConfig
 from jaxpaged.stopping import check_stop, is_stop_token
 
 log = logging.getLogger(__name__)
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _enqueue(queue: list[Request] | collections.deque[Request], req: Request) -> None:
+    """Put ``req`` in ``queue`` (kept in ``sort_key`` order) at its place."""
+    if not queue or queue[-1].sort_key < req.sort_key:
+        queue.append(req)  # under FCFS, a new request; and a running one admitted
+    else:  # under FCFS, a preempted request (the worst running one): before every queued one
+        queue.insert(bisect.bisect(queue, req.sort_key, key=lambda r: r.sort_key), req)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -195,7 +214,9 @@ class RunnerOutput:
 class Scheduler:
     def __init__(self, kv: KVAllocator, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_ids: tuple[int, ...] = (), preemption_mode: str = "recompute",
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, scheduling_policy: str = "fcfs"):
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={scheduling_policy!r}; choose from {SCHEDULING_POLICIES}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={preemption_mode!r}; choose 'recompute' or 'swap'")
         if preemption_mode == "swap" and not kv.num_host_blocks:
@@ -206,6 +227,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
         self.preemption_mode = preemption_mode
+        self.scheduling_policy = scheduling_policy
         self.speculative_config = speculative_config
         # A penalised request sits a step out while its last token is on the device (async
         # scheduling); the engine core turns this off when its runner can wait to sample.
@@ -226,8 +248,13 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------
 
-    def check_request(self, num_prompt_tokens: int, params) -> None:
+    def check_request(self, num_prompt_tokens: int, params, priority: int = 0) -> None:
         """Raise ``ValueError`` for a request that could never run here, before it is queued."""
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (this engine's is "
+                             f"{self.scheduling_policy!r})")
         name, num_seqs = ("beam_width", params.beam_width) if params.use_beam_search else ("n", params.n)
         # All of a request's sequences advance in the same step: each needs a slot and a token.
         for limit, value in (("max_num_seqs", self.max_num_seqs), ("max_num_batched_tokens",
@@ -237,9 +264,10 @@ class Scheduler:
         self.kv.check_fits(num_prompt_tokens, num_seqs)
 
     def add(self, req: Request) -> None:
-        self.check_request(len(req.prompt_token_ids), req.params)
+        self.check_request(len(req.prompt_token_ids), req.params, req.priority)
         req.arrival_index = next(self._arrivals)
-        self.waiting.append(req)
+        req.sort_key = (req.priority, req.arrival_index)
+        _enqueue(self.waiting, req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -257,15 +285,32 @@ class Scheduler:
         out = SchedulerOutput([], self._pending_ops, [], [])
         self._pending_ops, self._forks = [], 0
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running):
+        # Running and queued requests in one walk, best first (under FCFS every running request
+        # comes before every queued one). A running request preempts the worst running one
+        # (running[-1]); a queued one, the running ones worse than itself: never one already
+        # walked past, whose chunk this step holds.
+        i, admitting, running_done = 0, True, False
+        while True:
+            runs = not running_done and i < len(self.running)
+            head = self._head() if admitting else None
+            if head is not None and (not runs or head.sort_key < self.running[i].sort_key):
+                used = self._resume(head, out, budget)
+                if used is None:
+                    admitting = False  # the first that does not fit stops the queue
+                elif not head.finished:  # (finished: it can never fit)
+                    budget -= used
+                    i += 1  # it runs at i, its place in the walk
+                continue
+            if not runs:
+                break
             req = self.running[i]
             if req.pending_forks and not (forked := self._refork(req, out)):
                 i += forked is None
                 continue  # req was preempted or finished; running[i] is the next one
             live = req.running_seqs()
             if budget < len(live):
-                break  # budget spent; later requests wait one step (they keep their blocks)
+                running_done = True  # budget spent; later requests wait one step (they keep their blocks)
+                continue
             if self._waits_for_tokens(req, live):
                 i += 1
                 continue
@@ -280,8 +325,6 @@ class Scheduler:
             if self.speculative_config is not None:
                 budget -= self._speculate(out.scheduled[-1], budget, out)
             i += 1
-        if not out.preempted:
-            self._resume(out, budget)
         out.speculates = self.speculative_config is not None and any(map(self._may_speculate, out.scheduled))
         for s in out.scheduled:
             s.block_table = self.kv.block_table(s.seq.seq_id)
@@ -293,6 +336,12 @@ class Scheduler:
             if s.samples:
                 s.seq.num_pending += 1  # 2 while the step before this one is still running
         return out
+
+    def _head(self) -> Request | None:
+        """The best queued request: the first of the swapped or the waiting queue."""
+        if self.swapped and (not self.waiting or self.swapped[0].sort_key < self.waiting[0].sort_key):
+            return self.swapped[0]
+        return self.waiting[0] if self.waiting else None
 
     def _speculate(self, s: ScheduledSeq, budget: int, out: SchedulerOutput) -> int:
         """Give the chunk ``s`` just planned its drafts (see :mod:`jaxpaged.spec_decode`), if its
@@ -436,32 +485,39 @@ class Scheduler:
         self._preempt(victim, out)
         return victim is not req
 
-    def _resume(self, out: SchedulerOutput, budget: int) -> None:
-        """Bring back swapped and waiting requests, oldest first, while they fit."""
-        num_seqs = sum(r.max_live_seqs for r in self.running)
-        while self.swapped or self.waiting:
-            swapped = bool(self.swapped) and (not self.waiting
-                                              or self.swapped[0].arrival_index < self.waiting[0].arrival_index)
-            req = self.swapped[0] if swapped else self.waiting[0]
-            if num_seqs + req.max_live_seqs > self.max_num_seqs or budget < len(req.running_seqs()):
-                return
-            plan = self._swap_in(req, budget, out) if swapped else self._admit(req, budget, out)
-            if plan is None:
-                if req.finished:  # it can never fit: _admit finished it
-                    continue
-                if self.running:
-                    return  # wait for memory
-                if swapped:  # alone and its copies still do not fit: recompute it instead
-                    self.swapped.popleft()
-                    self._free_for_recompute(req)
+    def _resume(self, req: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Bring back ``req``, the best queued request (swapped or waiting), if it fits, first
+        preempting the running requests worse than it (priority scheduling) while it does not;
+        returns the tokens its chunk takes (0 if it was finished instead: it can never fit), or
+        None if it waits, as it does in a step that preempted a request no worse than it (so a
+        request never comes back in the step that preempted it, nor runs before a better one)."""
+        if any(r.sort_key <= req.sort_key for r in out.preempted):
+            return None
+        while True:
+            swapped = req.status is RequestStatus.SWAPPED
+            if budget < len(req.running_seqs()):
+                return None
+            plan = None
+            if sum(r.max_live_seqs for r in self.running) + req.max_live_seqs <= self.max_num_seqs:
+                plan = self._swap_in(req, budget, out) if swapped else self._admit(req, budget, out)
+            if plan is not None:
+                break
+            if req.finished:  # it can never fit: _admit finished it
+                return 0
+            if self.running and self.running[-1].sort_key > req.sort_key:
+                self._preempt(self.running[-1], out)  # a worse request makes room for it
                 continue
-            (self.swapped if swapped else self.waiting).popleft()
-            req.status = RequestStatus.RUNNING
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = time.monotonic()
-            self.running.append(req)
-            budget -= self._add(out, req, plan)
-            num_seqs += req.max_live_seqs
+            if self.running or not swapped:
+                return None  # wait for memory
+            # Alone, and its copies still do not fit: recompute it instead (it stays the best).
+            self.swapped.remove(req)
+            self._free_for_recompute(req)
+        (self.swapped if swapped else self.waiting).remove(req)
+        req.status = RequestStatus.RUNNING
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+        _enqueue(self.running, req)
+        return self._add(out, req, plan)
 
     def _swap_in(self, req: Request, budget: int, out: SchedulerOutput):
         """Swap ``req`` in with its next chunk's slots, or None if that does not fit now."""
@@ -560,7 +616,6 @@ class Scheduler:
         return req.params.cache_salt
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        # Victims are the newest running request, so appendleft keeps both queues in arrival order.
         self.running.remove(req)
         self.num_preemptions += 1
         req.metrics.num_preemptions += 1
@@ -577,7 +632,7 @@ class Scheduler:
             self.num_swapped_out_blocks += len(pairs)
             out.block_ops += [("out", d, h) for d, h in pairs]
             req.status = RequestStatus.SWAPPED
-            self.swapped.appendleft(req)
+            _enqueue(self.swapped, req)
             return
         self._free_for_recompute(req)
 
@@ -588,7 +643,7 @@ class Scheduler:
             s.num_computed_tokens = 0
         req.pending_forks = []
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        _enqueue(self.waiting, req)
 
     def _finish_for_capacity(self, req: Request, out: SchedulerOutput, why: str) -> None:
         detail = f"finished early: {why}"

@@ -119,7 +119,8 @@ class Request:
     """A prompt with its sampling parameters and its live and finished sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float, seed: int, beam: BeamSearch | None = None):
+                 params: SamplingParams, arrival_time: float, seed: int, beam: BeamSearch | None = None,
+                 priority: int = 0):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -127,7 +128,9 @@ class Request:
         self.params = params
         self.seed = seed  # drawn by the engine when params.seed is None
         self.status = RequestStatus.WAITING
-        self.arrival_index = -1  # the scheduler's admission order (FCFS priority)
+        self.priority = priority  # lower runs first (scheduling_policy="priority"); 0 under FCFS
+        self.arrival_index = -1  # the order the scheduler got it in
+        self.sort_key = (priority, -1)  # (priority, arrival_index): the scheduler's order of requests
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None

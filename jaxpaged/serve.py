@@ -163,7 +163,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         default = body.own_max_tokens is None and params.max_tokens is not None  # the generation config's
         try:
             return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
-                                             check=functools.partial(fits, param=max_tokens_param, default=default))
+                                             check=functools.partial(fits, param=max_tokens_param, default=default),
+                                             priority=body.priority)
         except (ValueError, TypeError) as e:
             raise invalid(e, body) from None
         except EngineOverloadedError as e:

@@ -55,6 +55,23 @@ def test_prompts_from_jsonl_with_per_line_options(capsys, monkeypatch, tmp_path,
     assert [len(c["token_ids"]) for c in b["outputs"]] == [7, 7]
 
 
+def test_jsonl_priorities_need_the_priority_policy(capsys, monkeypatch, tmp_path, tiny_engine_folder):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "one", "priority": 2}\n{"prompt": "two", "priority": -1}\n')
+    argv = ["--model", str(tiny_engine_folder), "--file", str(f), "--json", "--max-tokens", "3", "--ignore-eos",
+            "--max-num-seqs", "1", "--no-async-scheduling"]
+    code, _, err = run(capsys, monkeypatch, argv)
+    assert code == 1 and f"{f}:1: priority 2 needs --scheduling-policy priority" in err
+    code, out, _ = run(capsys, monkeypatch, [*argv, "--scheduling-policy", "priority"])
+    assert code == 0
+    a, b = (json.loads(line) for line in out.splitlines()[:2])  # in input order
+    assert (a["prompt"], b["prompt"]) == ("one", "two")
+    assert [len(c["outputs"][0]["token_ids"]) for c in (a, b)] == [3, 3]
+    f.write_text('{"prompt": "one", "priority": "high"}\n')
+    code, _, err = run(capsys, monkeypatch, [*argv, "--scheduling-policy", "priority"])
+    assert code == 1 and f"{f}:1: priority must be an int, got 'high'" in err
+
+
 def test_prompts_from_stdin_and_text_summary(capsys, monkeypatch, tiny_engine_folder):
     code, out, err = run(capsys, monkeypatch, ["--model", str(tiny_engine_folder), "--max-tokens", "4",
                                                "--no-progress"], stdin="first prompt\nsecond prompt\n")

@@ -18,7 +18,9 @@ Two tiers over the same traffic (``traffic.py``) and the same public loop (``add
   rounds).
 
 After every step: the block manager's invariants (``debug_checks``), the sequence limit,
-and FCFS order (no request runs while an older one waits). At the end: every request that
+and the scheduler's order (under FCFS no request runs while an older one waits; under
+priority scheduling, a third of the rounds, no preempted request waits while a worse one
+runs). At the end: every request that
 was not aborted finished, no block (device or host) is in use, no request was
 preempted more often than the scheduler's bound allows, and (oracle tier) every request
 cut for capacity is cut alone on the same engine too.
@@ -139,9 +141,11 @@ def cut_only_where_alone(model, res) -> int:
 
 
 def preemption_bound(res, block_size: int) -> None:
-    """A request is preempted only for older ones, at most once per block they allocate."""
+    """A request is preempted only for better ones (older, or of a better priority), at most
+    once per block they allocate."""
     outs = {id(a): o for a, o in res.finished}
-    order = [a for a in res.round.arrivals if id(a) in outs]  # submission order
+    order = sorted((a for a in res.round.arrivals if id(a) in outs),  # the scheduler's order (stable)
+                   key=lambda a: a.priority)
     bound = 0
     for a in order:
         o = outs[id(a)]
@@ -173,7 +177,8 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int, options
     alone = alone_engine(model, oracle, **(alone_options or {}))
     totals = dict(requests=0, finished=0, aborted=0, rejected=0, compared=0, preemptions=0, swapped_blocks=0,
                   cut=0, cut_alone_too=0, forks=0, beams=0, stopped_by_string=0, contiguous=0, async_rounds=0,
-                  steps_ahead=0, dropped_tokens=0, draft_tokens=0, accepted_tokens=0)
+                  steps_ahead=0, dropped_tokens=0, draft_tokens=0, accepted_tokens=0, priority_rounds=0,
+                  priority_preemptions=0)
     for seed in rounds:
         rnd = traffic.make_round(seed, num_requests=num_requests, vocab_size=model.config.vocab_size,
                                  any_geometry=oracle)
@@ -193,6 +198,9 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int, options
         totals["swapped_blocks"] += res.num_swapped_out_blocks
         totals["contiguous"] += rnd.engine["kv_allocator"] == "contiguous"
         totals["async_rounds"] += rnd.engine["async_scheduling"]
+        if rnd.engine.get("scheduling_policy") == "priority":
+            totals["priority_rounds"] += 1
+            totals["priority_preemptions"] += res.num_preemptions
         totals["steps_ahead"] += res.num_steps_ahead
         totals["dropped_tokens"] += res.num_dropped_tokens
         totals["draft_tokens"] += res.num_draft_tokens
@@ -209,7 +217,7 @@ def run_rounds(model, *, oracle: bool, rounds: range, num_requests: int, options
 
 # The traffic really reached what it is meant to test.
 COVERAGE = ("aborted", "rejected", "preemptions", "swapped_blocks", "cut", "forks", "beams", "stopped_by_string",
-            "contiguous", "async_rounds", "steps_ahead", "dropped_tokens")
+            "contiguous", "async_rounds", "steps_ahead", "dropped_tokens", "priority_rounds", "priority_preemptions")
 
 
 def test_random_traffic_with_the_paging_oracle(tiny_engine_model):

@@ -382,6 +382,7 @@ def test_stored_responses_continue_their_conversation_and_the_store_keeps_the_la
      "text.format"),
     (dict(input="word " * 5000), "input"),  # past max_model_len
     (dict(input="x", temperature=-1.0), "temperature"),
+    (dict(input="x", extra_body={"priority": 2}), "priority"),  # the server's engine schedules FCFS
 ])
 def test_bad_requests_get_a_400_naming_their_field_and_leave_nothing_behind(client, srv, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -550,6 +550,34 @@ def test_the_server_may_name_tokens_by_id_by_default(tiny_engine_model):
         served.stop()
 
 
+def test_requests_carry_their_priority_to_a_priority_scheduling_engine(tiny_engine_model):
+    """``priority`` (vLLM's request field) reaches the scheduler of an engine that schedules by
+    priority, from completions and chat alike; the texts are the offline engine's."""
+    llm = LLM(tiny_engine_model, **ENGINE, scheduling_policy="priority")
+    served = Running(llm)
+    seen = []
+    add = llm.core.add
+
+    def spy(req):
+        seen.append(req.priority)
+        add(req)
+
+    llm.core.add = spy
+    try:
+        with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as h:
+            bodies = [{"prompt": p, "max_tokens": 6, "temperature": 0, "priority": prio}
+                      for p, prio in zip(PROMPTS, (0, 5, -1))]
+            texts = [h.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+            chat = h.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "priority": 7})
+            assert chat.status_code == 200, chat.text
+        assert seen == [0, 5, -1, 7]
+        want = LLM(tiny_engine_model, **ENGINE).generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6),
+                                                         use_tqdm=False)
+        assert texts == [o.outputs[0].text for o in want]
+    finally:
+        served.stop()
+
+
 def test_16_concurrent_streaming_clients_get_exactly_what_they_get_alone(srv, client):
     specs = [dict(prompt=PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), max_tokens=8 + i % 5,
                   temperature=0 if i % 2 else 0.9, seed=i) for i in range(16)]
@@ -714,6 +742,10 @@ BAD = [  # (path, body, status, message pattern, param)
      "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [10 ** 9]}, 400,
      r"^allowed_token_ids \[1000000000\] are outside the vocabulary", "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, 400,
+     r"^priority 1 needs scheduling_policy='priority' \(this engine's is 'fcfs'\)", "priority"),
+    ("/v1/chat/completions", {"messages": CHAT, "priority": -2}, 400, r"^priority -2 needs", "priority"),
+    ("/v1/chat/completions", {"messages": CHAT, "priority": "high"}, 400, r"priority", "priority"),
     ("/v1/nowhere", {}, 404, r"Not Found", None),
 ]
 

@@ -33,6 +33,7 @@ class Arrival:
     prompt: str | list[int]
     params: SamplingParams
     user_id: str | None
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -126,6 +127,12 @@ def make_round(seed: int, *, num_requests: int, vocab_size: int, any_geometry: b
         step = 0 if rng.random() < 0.4 else int(rng.integers(0, 3 * num_requests))
         arrivals.append(Arrival(step, prompt, _params(rng), user_id))
     arrivals.sort(key=lambda a: a.step)
+    # Drawn apart too: priority scheduling in a third of the rounds, priorities -1..2.
+    prio = np.random.default_rng([seed, 2])
+    if prio.random() < 1 / 3:
+        engine["scheduling_policy"] = "priority"
+        for a in arrivals:
+            a.priority = int(prio.integers(-1, 3))
     return Round(seed, engine, arrivals, abort_rate=float(rng.choice([0.0, 0.02, 0.08])))
 
 
@@ -140,9 +147,17 @@ def check_scheduler(llm: LLM) -> None:
     for sched in replicas(llm):
         live = sum(len(r.live_seqs()) for r in sched.running)
         assert live <= sched.max_num_seqs, f"{live} sequences running; max_num_seqs={sched.max_num_seqs}"
-        # Preempted and waiting requests are all newer than every running one (FCFS): so a request
+        # A preempted request waits only while every running request is better than it (so it
+        # was preempted for a better one, and the worst running request is preempted first).
+        if sched.running:
+            worst_running = max(r.sort_key for r in sched.running)
+            for q in (sched.waiting, sched.swapped):
+                for r in q:
+                    assert r.metrics.num_preemptions == 0 or worst_running < r.sort_key, \
+                        f"preempted request {r.request_id} {r.sort_key} waits while {worst_running} runs"
+        # FCFS: waiting and preempted requests are all newer than every running one, so a request
         # is only ever preempted for an older one, and the oldest is never preempted.
-        if sched.running and (sched.waiting or sched.swapped):
+        if sched.scheduling_policy == "fcfs" and sched.running and (sched.waiting or sched.swapped):
             newest_running = max(r.arrival_index for r in sched.running)
             oldest_queued = min(r.arrival_index for q in (sched.waiting, sched.swapped) for r in q)
             assert newest_running < oldest_queued, "a request runs while an older one waits"
@@ -192,7 +207,7 @@ def _run(llm: LLM, rnd: Round, rng: np.random.Generator, res: Result, pending: l
         while pending and pending[0].step <= res.num_steps:
             a = pending.pop(0)
             try:
-                rid = llm.add_request(a.prompt, a.params, request_id=a.user_id)
+                rid = llm.add_request(a.prompt, a.params, request_id=a.user_id, priority=a.priority)
             except ValueError as e:  # a live user id, more sequences than a step runs, more than the pool holds
                 seqs = a.params.beam_width if a.params.use_beam_search else a.params.n
                 assert (a.user_id in live and "already in use" in str(e)) or (seqs > 1 and "sequences" in str(e)) \
