@@ -195,6 +195,24 @@ class InputProcessor:
         self._check_in_vocab(ids, f"{what} token ids")
         return ids
 
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """The token ids of ``params.bad_words``, as vLLM takes them: each word with its leading
+        spaces stripped, and again after one space where that gives other tokens as many (a
+        word in the middle of a text)."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (the model was loaded without one)")
+        out = []
+        for word in params.bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        self._check_in_vocab({t for w in out for t in w}, "bad_words token ids")
+        return out
+
     def _check_in_vocab(self, ids, what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -226,6 +244,7 @@ class InputProcessor:
         self._check_in_vocab(params.logit_bias or {}, "logit_bias token ids")
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids")
         self._check_in_vocab(params.allowed_token_ids or (), "allowed_token_ids")
+        self.bad_words_token_ids(params)
         self.check_request(len(ids), params, priority)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
@@ -255,6 +274,14 @@ class InputProcessor:
         req = Request(request_id, text, ids, params, time.monotonic(), seed, beam, int(priority))
         if params.allowed_token_ids is not None:
             req.allowed_mask = allowed_bitmask(params.allowed_token_ids, self.vocab_size)
+        if params.bad_words:
+            words = self.bad_words_token_ids(params)
+            banned = [w[0] for w in words if len(w) == 1]  # banned everywhere: in the request's own mask
+            if banned:
+                if req.allowed_mask is None:
+                    req.allowed_mask = allowed_bitmask(range(self.vocab_size), self.vocab_size)
+                req.allowed_mask = req.allowed_mask & ~allowed_bitmask(banned, self.vocab_size)
+            req.bad_word_prefixes = [(tuple(w[:-1]), w[-1]) for w in words if len(w) > 1]
         if self.tokenizer is not None:
             req.seqs[0].detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                             stop=params.stop, min_tokens=params.min_tokens,

@@ -84,6 +84,7 @@ class OpenAIRequest(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -191,6 +192,7 @@ class OpenAIRequest(BaseModel):
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, truncate_prompt_tokens=self.truncate_prompt_tokens,
                 use_beam_search=self.use_beam_search, length_penalty=self.length_penalty, cache_salt=self.cache_salt,

@@ -42,7 +42,7 @@ from jaxpaged.padding import bucket
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata, compute_logprobs, sample
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.scheduler import PromptLogprobs, RunnerOutput, SchedulerOutput
-from jaxpaged.structured_output import token_bitmask
+from jaxpaged.structured_output import allowed_bitmask, token_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,17 @@ def _forward(structure: _HashedOnce, params: tuple[jax.Array, ...], kv: KVPool, 
     graphdef, treedef = structure.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     return model(tokens, kv, md, logits_indices=logits_indices)
+
+
+def _bad_word_ends(row) -> list[int]:
+    """The last tokens of the row's request's bad words whose other tokens end its output so far
+    (its drafts before the row included): masked at this row, as vLLM's ``apply_bad_words``."""
+    req = row.seq.request
+    if not req.bad_word_prefixes:
+        return []
+    past = row.seq.output_token_ids + row.drafted
+    return [last for prefix, last in req.bad_word_prefixes
+            if len(prefix) <= len(past) and tuple(past[len(past) - len(prefix):]) == prefix]
 
 
 def _sample(logits, sm, prompt_lp_targets, *, num_logprobs: int, num_prompt_logprobs: int, use_penalties: bool):
@@ -509,13 +520,14 @@ class ModelRunner:
 
     def token_bitmask(self, batch_rows, num_rows: int) -> np.ndarray | None:
         """The token masks of ``num_rows`` padded sampling rows: the structured outputs'
-        (llguidance's work, ~0.3 ms a row on CPU) and ``allowed_token_ids``, both where a row has
-        both (the grammar's alone where they share no token); None if no row has one (a
-        finished sequence's row has none)."""
+        (llguidance's work, ~0.3 ms a row on CPU), ``allowed_token_ids`` and ``bad_words``, all
+        where a row has several (the grammar's alone where the others leave it no token); None if
+        no row has one (a finished sequence's row has none)."""
         live = [(i, r) for i, r in enumerate(batch_rows) if not r.seq.finished]
         grammars = [(i, r.matcher) for i, r in live if r.matcher is not None]
         allowed = [(i, r.seq.request.allowed_mask) for i, r in live if r.seq.request.allowed_mask is not None]
-        if not grammars and not allowed:
+        banned = [(i, words) for i, r in live if (words := _bad_word_ends(r))]
+        if not grammars and not allowed and not banned:
             return None
         mask = token_bitmask(grammars, num_rows, self.vocab_size) if grammars else \
             np.full((num_rows, -(-self.vocab_size // 32)), -1, np.int32)
@@ -523,6 +535,10 @@ class ModelRunner:
             both = mask[i] & words
             if both.any():
                 mask[i] = both
+        for i, tokens in banned:
+            rest = mask[i] & ~allowed_bitmask(tokens, self.vocab_size)
+            if rest.any():
+                mask[i] = rest
         return mask
 
     def sampling(self, batch_rows, num_rows: int, prompt_lp_rows) -> tuple:

@@ -52,6 +52,9 @@ class SamplingParams:
         frequency_penalty: subtracted once per occurrence of a token in the output.
         logit_bias: token id -> value added to that token's logit before sampling.
         allowed_token_ids: sample only these tokens (a mask on the logits); not with beam search.
+        bad_words: words never to generate (vLLM's): a word's last token is masked wherever
+            the output so far ends with the tokens before it (each word as written and, where
+            that tokenizes differently, after a space); not with beam search.
         seed: seed of this request's random stream; ``None`` lets the engine pick one.
         stop: strings that end the completion when produced (not part of the output, unless
             ``include_stop_str_in_output``).
@@ -85,6 +88,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -121,15 +125,18 @@ class SamplingParams:
         set_("stop_token_ids", list(dict.fromkeys(self.stop_token_ids or ())))
         if self.allowed_token_ids is not None:
             set_("allowed_token_ids", [int(i) for i in dict.fromkeys(self.allowed_token_ids)])
+        if self.bad_words is not None:
+            set_("bad_words", list(dict.fromkeys(self.bad_words)))
         if self.logit_bias is not None:
             set_("logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         self._check_values()
         if self.use_beam_search:
             if self.structured_outputs is not None:
                 raise ValueError("structured_outputs cannot be used with use_beam_search=True (as in vLLM)")
-            if self.allowed_token_ids is not None:
-                raise ValueError("allowed_token_ids cannot be used with use_beam_search=True (beams rank the "
-                                 "model's own log-probabilities)")
+            for name in ("allowed_token_ids", "bad_words"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} cannot be used with use_beam_search=True (beams rank the "
+                                     f"model's own log-probabilities)")
             self._check_beam_search()
             if self.beam_width is None:
                 set_("beam_width", self.n)
@@ -172,6 +179,9 @@ class SamplingParams:
             ids = getattr(self, name)
             need(name, ids is None or (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)),
                  "a list of int or None")
+        need("bad_words", self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
+                                                     and all(isinstance(w, str) for w in self.bad_words)),
+             "a list of str or None")
         bias = self.logit_bias
         need("logit_bias", bias is None or isinstance(bias, dict), "a dict[int, float] or None")
         for k, v in (bias or {}).items():
@@ -219,6 +229,8 @@ class SamplingParams:
             need(bool(self.allowed_token_ids), "allowed_token_ids must not be empty (None allows every token)")
             need(all(i >= 0 for i in self.allowed_token_ids),
                  f"allowed_token_ids must be non-negative token ids, got {self.allowed_token_ids[:8]}")
+        need(all(w.strip() for w in self.bad_words or ()), f"bad_words cannot contain an empty or blank word, "
+                                                          f"got {self.bad_words!r}")
         need(self.cache_salt != "", "cache_salt must be a non-empty string or None, got ''")
 
     def _check_beam_search(self) -> None:

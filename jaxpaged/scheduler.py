@@ -175,11 +175,12 @@ class SchedulerOutput:
     @property
     def sampler_waits(self) -> bool:
         """A row samples whose sampler needs a token still pending from the step before (read
-        right after ``schedule``): a structured output's mask follows it, penalties count it.
+        right after ``schedule``): a structured output's mask follows it, penalties count it, bad
+        words look at it.
         Such a step's sampler is launched once that step is applied."""
         # schedule() counts the row's own sample as pending: one more is the step before's.
         return any(s.num_samples and s.seq.num_pending > 1 and (s.seq.matcher is not None
-                                                                or s.seq.request.params.has_penalties)
+                                                                or s.seq.request.samples_after_tokens)
                    for s in self.scheduled)
 
 
@@ -391,12 +392,12 @@ class Scheduler:
     def _waits_for_tokens(self, req: Request, live: list[Sequence]) -> bool:
         """Whether ``req`` sits this step out because a token it sampled is still on the device
         (async scheduling) and this step would need it on the host: to fork samples or rank
-        beams, to count it in penalties (unless the step's sampler may wait for it:
-        ``penalties_wait`` off), or because it ends ``req`` by length anyway."""
+        beams, to count it in penalties or match it against bad words (unless the step's sampler
+        may wait for it: ``penalties_wait`` off), or because it ends ``req`` by length anyway."""
         if not any(s.num_pending for s in live):
             return False
         p = req.params
-        if req.is_beam_search or (p.n > 1 and live[0].num_output_tokens == 0) or (p.has_penalties
+        if req.is_beam_search or (p.n > 1 and live[0].num_output_tokens == 0) or (req.samples_after_tokens
                                                                                  and self.penalties_wait):
             return True
         return any(s.num_tokens >= self.max_model_len or

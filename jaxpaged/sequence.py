@@ -137,7 +137,11 @@ class Request:
         # One sequence until the prompt is computed; then n samples or beam_width beams.
         self.seqs: list[Sequence] = [Sequence(self, 0, list(prompt_token_ids))]
         self.beam = beam  # beam search state: finished hypotheses; None when sampling
-        self.allowed_mask = None  # allowed_token_ids as a token bitmask (structured_output.allowed_bitmask)
+        # allowed_token_ids (and single-token bad_words, cleared) as a token bitmask (structured_output.allowed_bitmask)
+        self.allowed_mask = None
+        # The bad_words of more than one token: (the tokens before the last, the last), the last masked
+        # where the output ends with the others.
+        self.bad_word_prefixes: list[tuple[tuple[int, ...], int]] = []
         self.aborted = False
         # Recomputing several live sequences after a preemption: the forks still to make, as
         # (position, parent, child) in order of position. A child holds no blocks until its
@@ -148,6 +152,12 @@ class Request:
     @property
     def is_beam_search(self) -> bool:
         return self.beam is not None
+
+    @property
+    def samples_after_tokens(self) -> bool:
+        """Whether sampling its next token reads the output so far: penalties count it, bad words of
+        more than one token look at its end (so a pending token must reach the host first)."""
+        return self.params.has_penalties or bool(self.bad_word_prefixes)
 
     @property
     def max_live_seqs(self) -> int:

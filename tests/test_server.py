@@ -503,6 +503,16 @@ def test_plain_text_format_and_tools_left_unused_are_served(client):
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
 
 
+def test_bad_words_are_served_as_the_offline_llm_runs_them(client, offline):
+    plain = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    word = offline.tokenizer.decode(plain.outputs[0].token_ids[2:3]).strip()
+    want = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, bad_words=[word]),
+                            use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                    extra_body={"bad_words": [word]}).choices[0].text
+    assert got == want.text and want.token_ids != plain.outputs[0].token_ids
+
+
 def test_chat_logprobs(client):
     c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
@@ -746,6 +756,9 @@ BAD = [  # (path, body, status, message pattern, param)
      r"^priority 1 needs scheduling_policy='priority' \(this engine's is 'fcfs'\)", "priority"),
     ("/v1/chat/completions", {"messages": CHAT, "priority": -2}, 400, r"^priority -2 needs", "priority"),
     ("/v1/chat/completions", {"messages": CHAT, "priority": "high"}, 400, r"priority", "priority"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["x"], "use_beam_search": True, "n": 2, "temperature": 0}, 400,
+     r"^bad_words cannot be used with use_beam_search", "bad_words"),
+    ("/v1/chat/completions", {"messages": CHAT, "bad_words": "x"}, 400, r"bad_words", "bad_words"),
     ("/v1/nowhere", {}, 404, r"Not Found", None),
 ]
 

@@ -197,6 +197,28 @@ def test_requests_that_must_not_speculate_do_not(smollm_engines):
     assert drafting.stats()["spec_num_drafts"] > before
 
 
+def test_bad_words_are_masked_at_drafted_positions(smollm_engines):
+    """The list repeats in the prompt, so its next words come as drafts; a bad word among them
+    is masked at its drafted row (its mask sees the drafts before the row), and the tokens are
+    those of decoding without drafts. (As in vLLM, "date, elderberry" is also banned after a
+    space, whose tokens are as many; "cherry" would not be: " cherry" is one token, "cherry" two.)"""
+    plain, drafting = smollm_engines
+    params = SamplingParams(temperature=0, max_tokens=24, bad_words=["date, elderberry", "fig."])
+    banned = plain.inputs.bad_words_token_ids(params)
+
+    def has(tokens, word):
+        return any(tokens[i:i + len(word)] == word for i in range(len(tokens)))
+
+    free = plain.generate(PROMPTS[:1], params.replace(bad_words=None), use_tqdm=False)[0].outputs[0].token_ids
+    assert sum(has(free, w) for w in banned) == 2  # (what the words change: each once, after a space)
+    before = drafting.stats()["spec_num_accepted_tokens"]
+    want = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    got = drafting.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.token_ids != free
+    assert not any(has(got.token_ids, w) for w in banned)  # (the text may still spell one otherwise)
+    assert drafting.stats()["spec_num_accepted_tokens"] > before
+
+
 def test_structured_outputs_draft_within_their_grammar(smollm_engines):
     """A structured request drafts too: only drafts its grammar takes, each draft's row masked by
     the grammar after the drafts before it; the outputs are those without drafts and match."""
