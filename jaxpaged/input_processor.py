@@ -204,9 +204,12 @@ class InputProcessor:
         if self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer (the model was loaded without one)")
         out = []
-        for word in params.bad_words:
+        for i, word in enumerate(params.bad_words):
+            check_unicode(word, f"bad_words[{i}]")
             bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not bare or not spaced:
+                raise ValueError(f"bad_words[{i}] {word!r} is no tokens")
             out.append(bare)
             if spaced[0] != bare[0] and len(spaced) == len(bare):
                 out.append(spaced)

@@ -84,5 +84,8 @@ def test_bad_words_are_checked_before_any_work(llm):
         SamplingParams(bad_words="cache")
     with pytest.raises(ValueError, match="bad_words cannot contain an empty or blank word"):
         SamplingParams(bad_words=["ok", " "])
+    with pytest.raises(ValueError, match=r"bad_words\[1\] is not valid Unicode"):
+        llm.generate(["hi"], SamplingParams(bad_words=["ok", "\ud800"]), use_tqdm=False)
+    assert not llm.has_unfinished_requests()
     with pytest.raises(ValueError, match="bad_words cannot be used with use_beam_search"):
         SamplingParams(bad_words=["x"], use_beam_search=True, beam_width=2, temperature=0)
