@@ -14,6 +14,7 @@ config. No jax here.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,19 @@ def default_sampling_overrides(generation_config: Any, model_source: str | Path 
         folder = Path(generation_config).expanduser()
         if not (folder / "generation_config.json").is_file():
             raise FileNotFoundError(f"generation_config: no generation_config.json in {folder}")
+    path = (folder / "generation_config.json").resolve()
+    stat = path.stat()
+    return dict(_read(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """The overrides of one version of a file (read, checked and logged once: ``jaxpaged.generate``
+    and the CLI check it before the engine they make reads it)."""
     from transformers import GenerationConfig
 
-    path = folder / "generation_config.json"
     try:
-        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()  # what differs from transformers' defaults
+        diff = GenerationConfig.from_pretrained(Path(path).parent).to_diff_dict()  # what differs from the defaults
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"generation_config: {path} could not be read: {e}") from None
     overrides = {ours: diff[theirs] for theirs, ours in FIELDS.items() if diff.get(theirs) is not None}

@@ -139,3 +139,20 @@ def test_the_command_line_takes_a_generation_config(folder, capsys):
         assert main(["--model", str(folder), "--json", "--ignore-eos", "--no-progress", *extra, PROMPT]) == 0
         counts.append(len(json.loads(capsys.readouterr().out.splitlines()[0])["outputs"][0]["token_ids"]))
     assert counts == [5, 9]  # the config's max_new_tokens, then jaxpaged's own defaults
+
+
+def test_a_file_is_read_once_per_version(folder, tmp_path, caplog):
+    """``jaxpaged.generate`` and the CLI check the config before the engine they make reads it:
+    one read (one log line) per version of the file; a changed file is read again."""
+    from jaxpaged.generation_config import default_sampling_overrides
+
+    path = tmp_path / "model"
+    shutil.copytree(folder, path)
+    with caplog.at_level("INFO", logger="jaxpaged.generation_config"):
+        first = default_sampling_overrides("auto", path)
+        first["max_tokens"] = 99  # the caller's copy
+        assert default_sampling_overrides("auto", path) == {"temperature": 0.0, "top_p": 0.9, "top_k": 20,
+                                                             "max_tokens": 5}
+        (path / "generation_config.json").write_text(json.dumps({**CONFIG, "max_new_tokens": 17}))
+        assert default_sampling_overrides("auto", path)["max_tokens"] == 17
+    assert len([r for r in caplog.records if "default sampling parameters from" in r.getMessage()]) == 2
