@@ -10,7 +10,7 @@ runner, so the engine core and ``LLM`` drive them unchanged:
   unfinished requests (vLLM's data-parallel load balancing, counted here on the host) and
   keeps it there for good; a step is every replica's schedule, and what a step sampled goes
   back to the replica that scheduled it. Each replica keeps its own guarantees
-  (:mod:`jaxpaged.scheduler`): FCFS, progress and bounded preemption hold per replica.
+  (:mod:`jaxpaged.scheduler`): order, progress and bounded preemption hold per replica.
 - :class:`DataParallelRunner` launches every replica's step before waiting for any, so the
   devices run at the same time (JAX dispatch is asynchronous), then collects them in order.
 

@@ -45,7 +45,11 @@ Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
   one that fits it alone on the same engine) is finished: its live sequences with
   ``finish_reason="length"`` and a ``finish_detail`` saying why (samples and beam
   hypotheses that finished before keep their own reason), and a warning is logged; the
-  engine goes on. Nothing raises out of a step because of traffic.
+  engine goes on. Nothing raises out of a step because of traffic. (Known exception, under
+  priority scheduling only: a request preempted by recompute once it filled the whole pool,
+  one token short of its ``max_tokens``, is cut on readmission, since admission asks room
+  for one more token than its last step needs; under FCFS such a request is the oldest and
+  is never preempted.)
 - **Bounded preemption.** Since only better requests preempt it, a request is preempted
   at most once per block (or region) its betters allocate while it runs; once it is the
   best, never again (under priority scheduling, a better one may still arrive).
@@ -233,9 +237,10 @@ class Scheduler:
         # A penalised request sits a step out while its last token is on the device (async
         # scheduling); the engine core turns this off when its runner can wait to sample.
         self.penalties_wait = True
+        # Each queue in sort_key order (arrival under FCFS).
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # in arrival order
-        self.swapped: collections.deque[Request] = collections.deque()  # in arrival order
+        self.running: list[Request] = []
+        self.swapped: collections.deque[Request] = collections.deque()
         self._arrivals = itertools.count()
         self._pending_ops: list[tuple[str, int, int]] = []  # fork copies for the next step
         self._forks = 0  # forks this step's samples will make (contiguous regions to keep)
@@ -429,7 +434,7 @@ class Scheduler:
         return sum(n for _, _, n in plan)
 
     def _reserve(self, req: Request, plan, out: SchedulerOutput) -> bool | None:
-        """Reserve slots (and fork room) for ``plan``, preempting newer requests; False if
+        """Reserve slots (and fork room) for ``plan``, preempting worse requests; False if
         ``req`` itself was preempted or finished instead, None if it must first learn its
         pending tokens (see ``_make_room``)."""
         for seq, start, n in plan:
@@ -470,7 +475,7 @@ class Scheduler:
         out.block_ops += [("copy", a, b) for a, b in copies]
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> bool | None:
-        """Preempt the newest running request. When that is ``req`` alone, nothing else holds
+        """Preempt the worst running request (the last). When that is ``req`` alone, nothing else holds
         memory: it can never fit, so finish it. False when ``req`` is gone either way; None
         (nothing done) when it would be finished while a token it sampled is still on the
         device (async scheduling): the cut waits a step, so it keeps every sampled token."""
