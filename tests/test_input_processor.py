@@ -9,7 +9,7 @@ from jaxpaged.input_processor import InputProcessor, pair_prompts
 VOCAB = 100
 
 
-def checked(num_tokens, params):
+def checked(num_tokens, params, priority=0):
     if num_tokens > 50:
         raise ValueError("too long for the pool")
 
@@ -46,7 +46,7 @@ def test_a_prompt_truncated_keeps_its_last_tokens(inputs):
     ids = list(range(1, 11))
     assert inputs.check(ids, SamplingParams(truncate_prompt_tokens=4))[1] == ids[-4:]
     assert inputs.check(ids, SamplingParams(truncate_prompt_tokens=40))[1] == ids  # shorter: as it is
-    roomy = InputProcessor(None, vocab_size=VOCAB, max_model_len=64, check_request=lambda n, p: None)
+    roomy = InputProcessor(None, vocab_size=VOCAB, max_model_len=64, check_request=lambda n, p, prio: None)
     long = list(range(0, 99))  # more than max_model_len: -1 keeps what leaves room for one token
     assert roomy.check(long, SamplingParams(truncate_prompt_tokens=-1))[1] == long[-63:]
     assert inputs.check(ids, SamplingParams(truncate_prompt_tokens=64))[1] == ids  # (vLLM refuses only above)

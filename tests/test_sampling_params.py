@@ -10,7 +10,8 @@ def test_defaults_match_vllm():
     p = SamplingParams()
     expected = dict(
         n=1, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
-        presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, allowed_token_ids=None, seed=None, stop=[],
+        presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, allowed_token_ids=None, bad_words=None, seed=None,
+        stop=[],
         stop_token_ids=[], include_stop_str_in_output=False, ignore_eos=False, max_tokens=16, min_tokens=0,
         logprobs=None, prompt_logprobs=None, truncate_prompt_tokens=None, use_beam_search=False, beam_width=None,
         length_penalty=1.0, cache_salt=None, skip_special_tokens=True, structured_outputs=None,
