@@ -37,15 +37,16 @@ class KVAllocator(Protocol):
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats: ...
 
-    def check_fits(self, num_tokens: int, num_seqs: int = 1) -> None:
+    def check_fits(self, num_tokens: int, num_seqs: int = 1, *, final: bool = False) -> None:
         """Raise ``ValueError`` (naming the limit) if ``num_seqs`` sequences of ``num_tokens``
-        tokens plus one generated token could never fit, even in an empty pool."""
+        tokens plus one generated token (none if ``final``: they sample their last token from
+        these) could never fit, even in an empty pool."""
 
     def can_allocate(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
-                     num_new_tokens: int | None = None) -> bool: ...
+                     num_new_tokens: int | None = None, final: bool = False) -> bool: ...
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, cache_salt: str | None = None,
-                 num_new_tokens: int | None = None) -> int:
+                 num_new_tokens: int | None = None, final: bool = False) -> int:
         """Admit a sequence; returns how many leading tokens already hold K/V (prefix hits)."""
 
     def can_append_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool: ...

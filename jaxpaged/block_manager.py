@@ -133,32 +133,35 @@ class BlockManager:
 
     # ---- admission ------------------------------------------------------------------
 
-    def check_fits(self, num_prompt_tokens: int, num_seqs: int = 1) -> None:
+    def check_fits(self, num_prompt_tokens: int, num_seqs: int = 1, *, final: bool = False) -> None:
         """Reject a prompt that could never be admitted, even into an empty pool.
 
         ``can_allocate`` and ``allocate`` call this; call it at submission to fail early.
         ``num_seqs`` sequences (``n > 1`` samples, beams) share the prompt's full blocks
-        and need one block each for what follows.
+        and need one block each for what follows. ``final``: the sequences sample their last
+        token from these (a request readmitted one token short of ``max_tokens``), so they
+        need no slot for a generated token.
 
         Raises:
-          ValueError: the prompt is empty, or with one generated token it exceeds
-            ``max_model_len`` or needs more blocks than the whole pool.
+          ValueError: the prompt is empty, or with one generated token (none if ``final``)
+            it exceeds ``max_model_len`` or needs more blocks than the whole pool.
         """
         if num_prompt_tokens < 1:
             raise ValueError("prompt is empty; it needs at least one token")
-        n = num_prompt_tokens + 1
+        n = num_prompt_tokens + (not final)
+        plus = "" if final else " with one generated token"
         if self.max_model_len is not None and n > self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token that exceeds "
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens;{plus} that exceeds "
                              f"max_model_len={self.max_model_len}")
-        need = num_prompt_tokens // self.block_size + num_seqs  # shared full blocks + each one's last
+        need = (n - 1) // self.block_size + num_seqs  # shared full blocks + each one's last
         if need > self.pool.num_usable:
             seqs = f" in {num_seqs} sequences" if num_seqs > 1 else ""
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token{seqs} it needs "
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens;{plus}{seqs} it needs "
                              f"{need} blocks of {self.block_size} slots, but the pool has "
                              f"{self.pool.num_usable} usable blocks")
 
     def can_allocate(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
-                     num_new_tokens: int | None = None) -> bool:
+                     num_new_tokens: int | None = None, final: bool = False) -> bool:
         """Whether ``allocate`` can admit this prompt now and keep the watermark free.
 
         Prefix hits are taken into account; the lookup counts no queries or hits.
@@ -166,11 +169,11 @@ class BlockManager:
         Raises:
           ValueError: the prompt could never fit (see ``allocate``).
         """
-        *_, num_free_taken = self._plan_admission(token_ids, cache_salt, num_new_tokens)
+        *_, num_free_taken = self._plan_admission(token_ids, cache_salt, num_new_tokens, final)
         return self._admissible(num_free_taken)
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, cache_salt: str | None = None,
-                 num_new_tokens: int | None = None) -> int:
+                 num_new_tokens: int | None = None, final: bool = False) -> int:
         """Admit a prompt: share its cached prefix, reserve slots for what follows it.
 
         Args:
@@ -179,6 +182,7 @@ class BlockManager:
           cache_salt: per-tenant salt; blocks are shared only between equal salts.
           num_new_tokens: reserve slots for at most this many tokens past the cached
             prefix (this step's prefill chunk); ``None``: the rest of the prompt.
+          final: it samples its last token from these: no slot past them (see ``check_fits``).
 
         Returns:
           ``num_cached_tokens``: positions ``[0, num_cached_tokens)`` already hold K/V,
@@ -191,7 +195,8 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
-        extra, hits, hashes, num_tokens, num_free_taken = self._plan_admission(token_ids, cache_salt, num_new_tokens)
+        extra, hits, hashes, num_tokens, num_free_taken = self._plan_admission(token_ids, cache_salt, num_new_tokens,
+                                                                               final)
         if num_free_taken > self.pool.num_free:
             raise RuntimeError(f"sequence {seq_id!r} needs {num_free_taken} free blocks; {self.pool.num_free} are")
         for b in hits:  # before allocating, so the allocation cannot evict them
@@ -578,9 +583,10 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} is not swapped out")
         return s
 
-    def _plan_admission(self, token_ids: Sequence[int], cache_salt: str | None, num_new_tokens: int | None):
+    def _plan_admission(self, token_ids: Sequence[int], cache_salt: str | None, num_new_tokens: int | None,
+                        final: bool):
         """Extra keys, prefix hits and their hashes, slots to reserve, free blocks taken."""
-        self.check_fits(len(token_ids))
+        self.check_fits(len(token_ids), final=final)
         if num_new_tokens is not None and num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens}; must be >= 0")
         extra = (self.model_id, cache_salt)

@@ -62,12 +62,12 @@ class ContiguousBlockManager:
         self.num_host_blocks = 0  # no swap space
         self.watermark_blocks = 0
 
-    def check_fits(self, num_prompt_tokens: int, num_seqs: int = 1) -> None:
-        """Raise ``ValueError`` if the prompt plus one token exceeds ``max_model_len``, or if
-        ``num_seqs`` sequences need more regions than the pool has."""
+    def check_fits(self, num_prompt_tokens: int, num_seqs: int = 1, *, final: bool = False) -> None:
+        """Raise ``ValueError`` if the prompt plus one token (none if ``final``) exceeds
+        ``max_model_len``, or if ``num_seqs`` sequences need more regions than the pool has."""
         if num_prompt_tokens < 1:
             raise ValueError("prompt is empty; it needs at least one token")
-        if num_prompt_tokens + 1 > self.max_model_len:
+        if num_prompt_tokens + (not final) > self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token that exceeds "
                              f"max_model_len={self.max_model_len}")
         if num_seqs > self.num_regions:
@@ -75,13 +75,13 @@ class ContiguousBlockManager:
                              f"the pool has {self.num_regions}")
 
     def can_allocate(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
-                     num_new_tokens: int | None = None) -> bool:
+                     num_new_tokens: int | None = None, final: bool = False) -> bool:
         """Whether a region is free. Raises ``ValueError`` if the prompt could never fit."""
-        self.check_fits(len(token_ids))
+        self.check_fits(len(token_ids), final=final)
         return bool(self._free_regions)
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, cache_salt: str | None = None,
-                 num_new_tokens: int | None = None) -> int:
+                 num_new_tokens: int | None = None, final: bool = False) -> int:
         """Reserve a region; the first ``num_new_tokens`` (default: all) prompt tokens get slots.
 
         Returns:
@@ -89,7 +89,7 @@ class ContiguousBlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
-        self.check_fits(len(token_ids))
+        self.check_fits(len(token_ids), final=final)
         if not self._free_regions:
             raise RuntimeError(f"all {self.num_regions} regions of {self.max_model_len} slots are in use")
         if num_new_tokens is not None and num_new_tokens < 0:

@@ -45,11 +45,9 @@ Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
   one that fits it alone on the same engine) is finished: its live sequences with
   ``finish_reason="length"`` and a ``finish_detail`` saying why (samples and beam
   hypotheses that finished before keep their own reason), and a warning is logged; the
-  engine goes on. Nothing raises out of a step because of traffic. (Known exception, under
-  priority scheduling only: a request preempted by recompute once it filled the whole pool,
-  one token short of its ``max_tokens``, is cut on readmission, since admission asks room
-  for one more token than its last step needs; under FCFS such a request is the oldest and
-  is never preempted.)
+  engine goes on. Nothing raises out of a step because of traffic. (A request readmitted one
+  token short of its ``max_tokens`` is asked no room for a token past it, so one that held the
+  whole pool comes back.)
 - **Bounded preemption.** Since only better requests preempt it, a request is preempted
   at most once per block (or region) its betters allocate while it runs; once it is the
   best, never again (under priority scheduling, a better one may still arrive).
@@ -555,8 +553,11 @@ class Scheduler:
         """
         live = req.live_seqs()
         assert not any(s.num_pending for s in live), "admitted before its tokens reached the host"
+        # One token short of max_tokens (readmitted after a preemption), it samples its last from
+        # what it holds: it needs no slot past them, so it fits wherever it ran before.
+        final = req.params.max_tokens is not None and live[0].num_output_tokens + 1 >= req.params.max_tokens
         try:
-            self.kv.check_fits(len(live[0].token_ids), len(live))
+            self.kv.check_fits(len(live[0].token_ids), len(live), final=final)
         except ValueError as e:  # grown past the pool while it ran, then preempted
             self._finish_for_capacity(req, out, str(e))
             return None
@@ -575,9 +576,10 @@ class Scheduler:
             # Up to its first fork only, so that its first chunk leads there (its prefix hits stop
             # short of it): a plan with nothing to compute would make the step an empty one.
             tokens = s.token_ids[:first_fork.get(id(s), len(s.token_ids))]
-            if not self.kv.can_allocate(tokens, cache_salt=salt, num_new_tokens=chunk):
+            if not self.kv.can_allocate(tokens, cache_salt=salt, num_new_tokens=chunk, final=final):
                 break
-            s.num_computed_tokens = self.kv.allocate(s.seq_id, tokens, cache_salt=salt, num_new_tokens=chunk)
+            s.num_computed_tokens = self.kv.allocate(s.seq_id, tokens, cache_salt=salt, num_new_tokens=chunk,
+                                                     final=final)
             allocated.append(s)
         plan = self._plan(req, roots, budget) if len(allocated) == len(roots) else None
         # Room for every fork it has yet to make, not only this chunk's: admitted on its prompt's

@@ -387,6 +387,14 @@ def test_request_that_can_never_fit_is_rejected_with_the_numbers():
         bm.check_fits(24, num_seqs=3)
     with pytest.raises(ValueError, match="3 sequences need 3 regions of 32 slots; the pool has 2"):
         ContiguousBlockManager(17, BS, max_model_len=32).check_fits(4, num_seqs=3)
+    # final: they sample their last token from these tokens, so need no slot past them.
+    assert bm.can_allocate(list(range(32)), final=True)
+    with pytest.raises(ValueError, match="prompt has 33 tokens; it needs 9 blocks of 4 slots"):
+        bm.check_fits(33, final=True)
+    bm.check_fits(24, num_seqs=3, final=True)  # 5 shared (each one's last token in its own) + 3 = 8
+    with pytest.raises(ValueError, match="prompt has 25 tokens; in 3 sequences it needs 9 blocks"):
+        bm.check_fits(25, num_seqs=3, final=True)
+    assert bm.allocate("whole", list(range(32)), final=True) == 0 and bm.pool.num_free == 0
     bm = BlockManager(64, BS, max_model_len=20)
     with pytest.raises(ValueError, match="prompt has 20 tokens; with one generated token that exceeds "
                                          "max_model_len=20"):

@@ -151,3 +151,24 @@ def test_equal_priorities_keep_fcfs_and_never_preempt_for_a_newer_request(tiny_e
     done, _ = drain(llm)
     assert [o.request_id for o in done] == [a, b, c]
     assert all(o.metrics.num_preemptions == 0 for o in done)
+
+
+def test_a_request_preempted_one_token_short_of_max_tokens_comes_back_whole(tiny_engine_model):
+    """A request that fills the whole pool with its last step to go is preempted by a better
+    one: readmitted, it samples its last token from what it holds and needs no slot past it,
+    so it finishes with all its tokens, as alone (found by fuzzing: it was cut by length)."""
+    prompt = list(range(100, 134))  # 34 + 14 outputs = 48 slots: 12 blocks, the whole pool
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    kw = dict(block_size=4, num_blocks=13, max_model_len=64, enable_prefix_caching=False, async_scheduling=False)
+    alone = make(tiny_engine_model, **kw).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(alone.token_ids) == 15 and alone.finish_reason == "length"
+    llm = make(tiny_engine_model, **kw)
+    a = llm.add_request(prompt, params, priority=1)
+    while len(llm.core.requests[a].seqs[0].token_ids) < 48:
+        llm.step()
+    b = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), priority=0)
+    done, _ = drain(llm)
+    outs = {o.request_id: o for o in done}
+    assert [o.request_id for o in done] == [b, a] and outs[a].metrics.num_preemptions == 1
+    assert outs[a].outputs[0].token_ids == alone.token_ids and outs[a].outputs[0].finish_detail is None
+    assert llm.stats()["num_used_blocks"] == 0
