@@ -229,6 +229,10 @@ class InputProcessor:
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
         """
+        return self._check(prompt, params, priority)[:3]
+
+    def _check(self, prompt: PromptType, params: SamplingParams | None, priority: int):
+        """:meth:`check`'s result, and the bad words' token ids (tokenized once a request)."""
         params = self.default_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -247,11 +251,11 @@ class InputProcessor:
         self._check_in_vocab(params.logit_bias or {}, "logit_bias token ids")
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids")
         self._check_in_vocab(params.allowed_token_ids or (), "allowed_token_ids")
-        self.bad_words_token_ids(params)
+        bad_words = self.bad_words_token_ids(params)
         self.check_request(len(ids), params, priority)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
-        return text, ids, params
+        return text, ids, params, bad_words
 
     def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
                 live: Container[str], priority: int = 0) -> Request:
@@ -263,7 +267,7 @@ class InputProcessor:
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
         """
-        text, ids, params = self.check(prompt, params, priority)
+        text, ids, params, bad_words = self._check(prompt, params, priority)
         if request_id is not None:
             request_id = str(request_id)
             if not request_id:
@@ -277,14 +281,13 @@ class InputProcessor:
         req = Request(request_id, text, ids, params, time.monotonic(), seed, beam, int(priority))
         if params.allowed_token_ids is not None:
             req.allowed_mask = allowed_bitmask(params.allowed_token_ids, self.vocab_size)
-        if params.bad_words:
-            words = self.bad_words_token_ids(params)
-            banned = [w[0] for w in words if len(w) == 1]  # banned everywhere: in the request's own mask
+        if bad_words:
+            banned = [w[0] for w in bad_words if len(w) == 1]  # banned everywhere: in the request's own mask
             if banned:
                 if req.allowed_mask is None:
                     req.allowed_mask = allowed_bitmask(range(self.vocab_size), self.vocab_size)
                 req.allowed_mask = req.allowed_mask & ~allowed_bitmask(banned, self.vocab_size)
-            req.bad_word_prefixes = [(tuple(w[:-1]), w[-1]) for w in words if len(w) > 1]
+            req.bad_word_prefixes = [(tuple(w[:-1]), w[-1]) for w in bad_words if len(w) > 1]
         if self.tokenizer is not None:
             req.seqs[0].detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                             stop=params.stop, min_tokens=params.min_tokens,

@@ -23,8 +23,9 @@ from jaxpaged.loader import load_model
 pytestmark = pytest.mark.skipif(jax.device_count() < 2,
                                 reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=2")
 
-# Rounds of random traffic on the model with enable_dp_attention (each compiles its own shapes).
-DPA_ROUNDS = 6
+# Rounds of random traffic on the model with enable_dp_attention (each compiles its own shapes;
+# these four abort requests, preempt and schedule asynchronously between them).
+DPA_ROUNDS = 4
 ENGINE = dict(block_size=4, num_blocks=32, max_num_seqs=3, max_num_batched_tokens=32, debug_checks=True)
 CODE = r"[a-z]{2}-[0-9]{3}"  # a structured output's regex
 

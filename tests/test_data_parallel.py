@@ -20,10 +20,13 @@ TESTS = Path(__file__).resolve().parent
 
 # The model-tier traffic of enable_dp_attention in a process of its own: XLA:CPU maps each
 # compiled program's code into a few hundred memory regions, and the cases together compile
-# enough programs to near the kernel's limit of 65,530 a process.
+# enough programs to near the kernel's limit of 65,530 a process. That traffic runs the
+# 20,480-token vocabulary of the model tier (test_engine_traffic): its sampler's work is most
+# of a step.
 @pytest.mark.parametrize("which", ["not traffic_on_the_model", "traffic_on_the_model"])
-def test_cases_on_two_cpu_devices(tiny_engine_folder, which):
-    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXPAGED_DP_TINY=str(tiny_engine_folder))
+def test_cases_on_two_cpu_devices(tiny_engine_folder, small_vocab_engine_folder, which):
+    folder = small_vocab_engine_folder if which == "traffic_on_the_model" else tiny_engine_folder
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXPAGED_DP_TINY=str(folder))
     proc = subprocess.run([sys.executable, "-m", "pytest", str(TESTS / "dp_cases.py"), "-q", "-p", "no:cacheprovider",
                            "-k", which], env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, \

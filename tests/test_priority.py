@@ -5,6 +5,7 @@ after every step that a preempted request never waits while a worse one runs."""
 
 import random
 
+import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
@@ -52,6 +53,8 @@ def test_priority_is_checked_before_any_work(tiny_engine_model):
         llm.add_request([5, 6], GREEDY, priority=1.5)
     with pytest.raises(ValueError, match=r"one int per prompt \(2\), got \[1\]"):
         llm.generate([[5, 6], [7]], GREEDY, priority=[1], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"one int per prompt \(2\), got array\(\[\[1, 0\]\]\)"):
+        llm.generate([[5, 6], [7]], GREEDY, priority=np.array([[1, 0]]), use_tqdm=False)
     with pytest.raises(ValueError, match="scheduling_policy='lifo'; choose from"):
         make(tiny_engine_model, scheduling_policy="lifo")
     assert not llm.has_unfinished_requests()
@@ -70,9 +73,9 @@ def test_requests_run_in_order_of_priority_then_arrival(tiny_engine_model, async
         done, _ = drain(llm)
         assert [o.request_id for o in done] == [ids[i] for i in want]
         assert all(o.metrics.num_preemptions == 0 for o in done)
-    # generate() takes one priority per prompt and returns its outputs in input order.
+    # generate() takes one priority per prompt (a list or an array) and returns its outputs in input order.
     llm = make(tiny_engine_model, max_num_seqs=1, async_scheduling=async_scheduling)
-    outs = llm.generate(ps, GREEDY, priority=order, use_tqdm=False)
+    outs = llm.generate(ps, GREEDY, priority=np.array(order) if async_scheduling else order, use_tqdm=False)
     firsts = [o.metrics.first_scheduled_time for o in outs]
     assert sorted(range(5), key=firsts.__getitem__) == [3, 1, 4, 0, 2]
     alone = make(tiny_engine_model, async_scheduling=async_scheduling, scheduling_policy="fcfs")
