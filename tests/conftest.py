@@ -6,24 +6,6 @@ import pytest
 # Keep XLA:CPU from grabbing every core per test process and from preallocating.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-
-def _pin_xdist_worker() -> None:
-    """Under pytest-xdist, give each worker its own share of the CPUs before jax starts (its
-    children inherit it). XLA:CPU sizes its thread pool to the CPUs a process may use: two
-    workers of two threads each on 2 cores spent time preempting each other (test_engine and
-    test_spec_decode, -n 2 from an empty compilation cache: 275 -> 256 s)."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if not (worker and count and hasattr(os, "sched_setaffinity")):
-        return
-    cpus, count = sorted(os.sched_getaffinity(0)), int(count)
-    share = len(cpus) // count
-    if share:
-        i = int(worker.removeprefix("gw"))
-        os.sched_setaffinity(0, cpus[i * share:(i + 1) * share])
-
-
-_pin_xdist_worker()
-
 # XLA:CPU's code generation, quick: LLVM without optimization and the older fusion emitters.
 # The suite compiles hundreds of programs, and on 2 vCPUs each took ~1.1 s, 0.35 s with these
 # flags (12 step shapes of the tiny engine model: 13.2 -> 4.0 s); the same HLO, run by
