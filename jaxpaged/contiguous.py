@@ -68,7 +68,8 @@ class ContiguousBlockManager:
         if num_prompt_tokens < 1:
             raise ValueError("prompt is empty; it needs at least one token")
         if num_prompt_tokens + (not final) > self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; with one generated token that exceeds "
+            plus = "" if final else " with one generated token"
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens;{plus} that exceeds "
                              f"max_model_len={self.max_model_len}")
         if num_seqs > self.num_regions:
             raise ValueError(f"{num_seqs} sequences need {num_seqs} regions of {self.max_model_len} slots; "

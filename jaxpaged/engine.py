@@ -269,8 +269,8 @@ class LLM:
         pairs = pair_prompts(prompts, sampling_params)
         if priority is None:
             priority = [0] * len(pairs)
-        elif isinstance(priority, (str, bytes)) or not isinstance(priority, (Seq, np.ndarray)) \
-                or np.ndim(priority) != 1 or len(priority) != len(pairs):
+        elif (isinstance(priority, (str, bytes)) or not isinstance(priority, (Seq, np.ndarray))
+              or (isinstance(priority, np.ndarray) and priority.ndim != 1) or len(priority) != len(pairs)):
             raise ValueError(f"priority must be a list of one int per prompt ({len(pairs)}), got {priority!r}")
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
         for (p, sp), prio in zip(pairs, priority):
