@@ -197,42 +197,17 @@ class _JsonScanner:
         pass
 
 
-class _JsonObjects(_JsonScanner):
-    """Complete top-level JSON objects in text that arrives in pieces; what lies between them is
-    skipped."""
-
-    def __init__(self):
-        super().__init__()
-        self.start: int | None = None
-        self.found: list[str] = []
-
-    def feed(self, piece: str) -> list[str]:
-        """The objects completed by ``piece``."""
-        self.found = []
-        super().feed(piece)
-        return self.found
-
-    def _open(self, i: int, ch: str) -> None:
-        if ch == "{" and self.level == 0:
-            self.start = i
-
-    def _close(self, i: int, ch: str) -> None:
-        if ch == "}" and self.level == 0 and self.start is not None:
-            self.found.append(self.buf[self.start:i + 1])
-            self.start = None
-
-
 class _Calls(_JsonScanner):
-    """Calls ``{"name": ..., <args_key>: {...}}`` read as their text arrives, the objects at
-    ``item_level`` (2: the items of a ``required`` reply's array; 1: the object of a hermes
-    block): ``feed`` returns every call found so far as ``[name, start, end]``, the span of its
-    arguments object in the text (``end`` None while the object is open). A call counts from
-    its arguments object's first bracket once its name is read (the constraint and the hermes
-    format write the name first); an item without both is no call."""
+    """Calls ``{"name": ..., <one of args_keys>: {...}}`` read as their text arrives, the objects
+    at ``item_level`` (2: the items of a ``required`` reply's array; 1: the object of a hermes
+    block, a llama3_json reply's objects): ``feed`` returns every call found so far as ``[name,
+    start, end]``, the span of its arguments object in the text (``end`` None while the object
+    is open). A call counts from its arguments object's first bracket once its name is read (the
+    constraint and the models' formats write the name first); an item without both is no call."""
 
-    def __init__(self, item_level: int, args_key: str):
+    def __init__(self, item_level: int, args_keys: tuple[str, ...]):
         super().__init__()
-        self.item, self.args_key = item_level, args_key
+        self.item, self.args_keys = item_level, args_keys
         self.expect_key = True  # inside an item: the next string is a key
         self.key: str | None = None
         self.name: str | None = None
@@ -262,7 +237,7 @@ class _Calls(_JsonScanner):
     def _open(self, i: int, ch: str) -> None:
         if self.level == self.item - 1 and ch == "{":  # an item
             self.expect_key, self.key, self.name = True, None, None
-        elif (self.level == self.item and ch == "{" and not self.expect_key and self.key == self.args_key
+        elif (self.level == self.item and ch == "{" and not self.expect_key and self.key in self.args_keys
               and self.name is not None):
             self.open_call = [self.name, i, None]
             self.calls.append(self.open_call)
@@ -271,6 +246,63 @@ class _Calls(_JsonScanner):
         if self.level == self.item and self.open_call is not None:
             self.open_call[2] = i + 1
             self.open_call = None
+
+
+_LLAMA_TAG, _LLAMA_KEYS = "<|python_tag|>", ("parameters", "arguments")
+
+
+class _LlamaRun(_Calls):
+    """A llama3_json reply after its ``<|python_tag|>``, read as it arrives: the run of top-level
+    objects, separated by ``;`` (whitespace around allowed), that its calls are. ``objects``:
+    ``[start, end, call]`` for each object of the run (``end`` None while it is open, ``call``
+    the ``[name, start, end]`` of the call it streams, if any); ``over``: where the run ended,
+    the first character that is not part of it (None while it goes on)."""
+
+    def __init__(self):
+        super().__init__(1, _LLAMA_KEYS)
+        self.objects: list[list] = []
+        self.over: int | None = None
+        self.separated = True  # a ';' since the last object (the first needs none)
+
+    def _string(self, start: int, end: int) -> None:
+        if self.over is None and self.level == 0:
+            self.over = start
+        elif self.over is None:
+            super()._string(start, end)
+
+    def _other(self, i: int, ch: str) -> None:
+        if self.over is not None:
+            return
+        if self.level > 0:
+            super()._other(i, ch)
+        elif ch == ";" and not self.separated:
+            self.separated = True
+        elif not ch.isspace():
+            self.over = i
+
+    def _open(self, i: int, ch: str) -> None:
+        if self.over is not None:
+            return
+        if self.level == 0 and not (ch == "{" and self.separated):
+            self.over = i
+            return
+        if self.level == 0:
+            self.objects.append([i, None, None])
+            self.separated = False
+        n = len(self.calls)
+        super()._open(i, ch)
+        if len(self.calls) > n and self.objects[-1][2] is None:  # (an object's first arguments are its call's)
+            self.objects[-1][2] = self.calls[-1]
+
+    def _close(self, i: int, ch: str) -> None:
+        if self.over is not None:
+            return
+        if self.level > 0:
+            super()._close(i, ch)
+        elif self.objects and self.objects[-1][1] is None:
+            self.objects[-1][1] = i + 1
+        else:  # a closing bracket with nothing open
+            self.over = i
 
 
 def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
@@ -317,8 +349,11 @@ class ToolCallStream:
     written; a block cut short, or closed before its arguments are, keeps what came; an end tag
     inside a string of the open arguments is theirs); the text around them (blocks that are no
     call included) content, less the whitespace before each call and at the end.
-    ``"llama3_json"``: a reply that is calls and nothing else, sent at its end; any other reply
-    is content. A reply with no call is its own content, unchanged.
+    ``"llama3_json"``: a reply whose first object (after whitespace and ``<|python_tag|>``) is a
+    call is calls, each object of the run ``{...}; {...}`` a call, sent as hermes calls are (a
+    call cut short keeps what came; one whose name follows its arguments goes out whole at its
+    end); objects of the run that are no call, and the text after the run, are content. Any other
+    reply is content. A reply with no call is its own content, unchanged.
     """
 
     def __init__(self, mode: str, *, name: str | None = None, max_calls: int | None = None):
@@ -329,9 +364,13 @@ class ToolCallStream:
         self.pending = ""  # text not yet sent as content or taken into a call
         self.held_space = ""  # whitespace-only content held back
         self.in_call = False  # hermes: inside <tool_call>
-        self.block, self.block_call = _Calls(1, "arguments"), None  # hermes: the block's call (-1: over max_calls)
-        self.llama_mode: str | None = None  # llama3_json: None (calls, or undecided) or "content"
-        self.array = _Calls(2, "parameters")  # required
+        self.block, self.block_call = _Calls(1, ("arguments",)), None  # hermes: the block's call (-1: over max_calls)
+        self.llama_mode: str | None = None  # llama3_json: None (undecided), "calls" or "content"
+        self.llama_lead: int | None = None  # llama3_json: where the run begins in the text (after the tag)
+        self.llama, self.llama_next = _LlamaRun(), 0  # llama3_json: the run, the object to read next
+        self.llama_call = None  # llama3_json: that object's call (an index, -1 over max_calls), once read
+        self.llama_tail = 0  # llama3_json: the text after the run sent as content so far
+        self.array = _Calls(2, ("parameters",))  # required
         self.raw = ""  # required / llama3_json: all text, for when no call is found
         self.finished = False
 
@@ -356,8 +395,10 @@ class ToolCallStream:
             return u
         if self.mode == "hermes":
             self._hermes(piece, u)
+        elif self.mode == "required":
+            self._required(piece, u)
         else:
-            self._json_calls(piece, u)
+            self._llama(piece, u)
         if finished:
             if not self.calls:  # whitespace that led nowhere is the reply's own
                 u.add_content(self.held_space)
@@ -385,32 +426,74 @@ class ToolCallStream:
         u.add_content(text[:k])
         self.held_space = text[k:]
 
-    def _json_calls(self, piece: str, u: Update) -> None:
-        """``required``: each complete object of the array a call. ``llama3_json``: a reply that
-        is calls (``{...}; {...}``, after ``<|python_tag|>``) all at the end, any other reply
-        content. A reply with no call is content."""
+    def _stream_call(self, slot: int | None, name: str, args: str, u: Update) -> int:
+        """A call read as it comes, its ``args`` so far: added if new (``slot`` None; returns its
+        index, -1 for a call past ``max_calls``, dropped), else what its arguments gained sent."""
+        if slot is None:
+            n = len(self.calls)
+            self._add_call(ToolCall(name, args), u)
+            return n if len(self.calls) > n else -1
+        if slot >= 0 and len(args) > len(self.calls[slot].arguments):
+            u.add_call({"index": slot, "function": {"arguments": args[len(self.calls[slot].arguments):]}})
+            self.calls[slot].arguments = args
+        return slot
+
+    def _required(self, piece: str, u: Update) -> None:
+        """Each object of the constrained array a call, its ``parameters`` as written. A reply with
+        no call is content."""
         self.raw += piece
-        if self.mode == "required":
-            found = self.array.feed(piece)
-            for k, (name, start, end) in enumerate(found[:self.max_calls]):
-                args = self.array.buf[start:end]  # (end None: all there is)
-                if k == len(self.calls):
-                    self._add_call(ToolCall(name, args), u)
-                elif len(args) > len(self.calls[k].arguments):
-                    u.add_call({"index": k, "function": {"arguments": args[len(self.calls[k].arguments):]}})
-                    self.calls[k].arguments = args
-        else:
-            tag, head = "<|python_tag|>", self.raw.lstrip()
-            if self.llama_mode is None and head and not (head.startswith(("{", tag)) or tag.startswith(head)):
-                self.llama_mode = "content"
-                piece = self.raw
-            if self.llama_mode == "content":
-                self._content(piece, u)
-            elif self.finished:
-                for call in _llama_calls(head.removeprefix(tag)) or ():
-                    self._add_call(call, u)
-        if self.finished and not self.calls and self.llama_mode != "content":  # (content went out as it came)
+        for k, (name, start, end) in enumerate(self.array.feed(piece)[:self.max_calls]):
+            self._stream_call(k if k < len(self.calls) else None, name, self.array.buf[start:end], u)
+        if self.finished and not self.calls:
             u.add_content(self.raw)
+
+    def _llama(self, piece: str, u: Update) -> None:
+        """A reply whose first object (after whitespace and ``<|python_tag|>``) is a call is
+        calls: each object of the run ``{...}; {...}`` a call, sent once its name is read and its
+        arguments object opens, its arguments (as written) as they come, or parsed whole at its
+        end (name last); an object of the run that is no call, and whatever follows the run, is
+        content. Any other reply is content, as it comes once that shows."""
+        self.raw += piece
+        if self.llama_mode == "content":
+            self._content(piece, u)
+            return
+        if self.llama_lead is None:
+            head = self.raw.lstrip()
+            if not head.startswith((_LLAMA_TAG, "{")):
+                if self.finished or not _LLAMA_TAG.startswith(head):  # ("": whitespace so far)
+                    self._llama_content(u)
+                return
+            self.llama_lead = len(self.raw) - len(head) + (len(_LLAMA_TAG) if head[0] == "<" else 0)
+        run = self.llama
+        run.feed(self.raw[self.llama_lead + len(run.buf):])
+        if self.llama_mode is None:  # the first object tells
+            first = run.objects[0] if run.objects else None
+            if first is None or (first[1] is None and first[2] is None):
+                if run.over is not None or self.finished:
+                    self._llama_content(u)
+                return
+            if first[2] is None and _call(run.buf[first[0]:first[1]], _LLAMA_KEYS) is None:
+                return self._llama_content(u)
+            self.llama_mode = "calls"
+        while self.llama_next < len(run.objects):
+            start, end, call = run.objects[self.llama_next]
+            if call is not None:
+                self.llama_call = self._stream_call(self.llama_call, call[0], run.buf[call[1]:call[2]], u)
+            if end is None:  # open: more to come, or cut short (what came of a call is the call)
+                if self.finished and call is None:
+                    self._content(run.buf[start:], u)
+                return
+            if call is None and not self._add_call(_call(run.buf[start:end], _LLAMA_KEYS), u):
+                self._content(run.buf[start:end], u)
+            self.llama_next, self.llama_call = self.llama_next + 1, None
+        if run.over is not None:
+            self.llama_tail = max(self.llama_tail, run.over)
+            self._content(run.buf[self.llama_tail:], u)
+            self.llama_tail = len(run.buf)
+
+    def _llama_content(self, u: Update) -> None:
+        self.llama_mode = "content"
+        self._content(self.raw, u)
 
     def _hermes(self, piece: str, u: Update) -> None:
         """Text outside ``<tool_call>`` blocks is content; a block's call goes out once its name
@@ -430,7 +513,7 @@ class ToolCallStream:
                 self._content(self.pending[:i], u)
                 self.pending = self.pending[i + len(start):]
                 self.in_call = True
-                self.block, self.block_call = _Calls(1, "arguments"), None
+                self.block, self.block_call = _Calls(1, ("arguments",)), None
             j = self.pending.find(end, len(self.block.buf))  # (the tags in what the block read are its text)
             while j >= 0:  # an end tag inside a string of the call's open arguments is the arguments' text
                 self._stream_block(self.pending[:j], u)
@@ -455,28 +538,7 @@ class ToolCallStream:
         if not found:
             return
         name, s, e = found[0]  # (a block holds one call)
-        args = self.block.buf[s:e]
-        if self.block_call is None:
-            n = len(self.calls)
-            self._add_call(ToolCall(name, args), u)
-            self.block_call = n if len(self.calls) > n else -1  # (-1: a call past max_calls, dropped)
-        elif self.block_call >= 0 and len(args) > len(self.calls[self.block_call].arguments):
-            k = self.block_call
-            u.add_call({"index": k, "function": {"arguments": args[len(self.calls[k].arguments):]}})
-            self.calls[k].arguments = args
-
-
-def _llama_calls(text: str) -> list[ToolCall] | None:
-    """Calls ``{"name", "parameters" | "arguments"}`` separated by ``;``, or None if ``text`` is
-    anything else (then the reply is content, as vLLM's parser has it)."""
-    calls, rest = [], text
-    for obj in _JsonObjects().feed(text):
-        gap, rest = rest.split(obj, 1)
-        call = _call(obj, ("parameters", "arguments"))
-        if call is None or gap.strip() != (";" if calls else ""):
-            return None
-        calls.append(call)
-    return calls if calls and not rest.strip() else None
+        self.block_call = self._stream_call(self.block_call, name, self.block.buf[s:e], u)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -156,27 +156,84 @@ def test_hermes_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cu
     assert whole == (content, calls)  # every well-formed call found, in order; broken ones left as text
 
 
+LLAMA_LEADS = st.sampled_from(["", " ", "<|python_tag|>", "\n<|python_tag|>", "<|python_tag|> "])
+LLAMA_NOT_CALLS = ['{"x": 1}', '{"name": "f"}', '{"name": "f", "parameters": 5}', '{"name": 3, "arguments": {}}']
+
+
 @st.composite
 def llama_replies(draw):
-    calls = draw(st.lists(st.tuples(NAMES, ARGS), max_size=3))
+    """A llama3_json reply: ``(text, its content, its calls)``. A reply whose first object is a
+    call: the run of objects separated by ``;``, calls (name first or last) and objects that are
+    no call (content), then any text (content, from its first character that ends the run)."""
+    calls = draw(st.lists(st.tuples(NAMES, ARGS, st.booleans()), max_size=3))
+    if not calls:  # a reply whose first object is no call is content, as it is
+        text = draw(st.sampled_from(["", "  ", "Hello.", " <|python", "<|python_tag|>no call", "{not json",
+                                     "<|python_tag|>", *LLAMA_NOT_CALLS, '{"a": 1}; {"name": "f", "parameters": {}}',
+                                     '; {"name": "f", "parameters": {}}', '[{"name": "f", "parameters": {}}]',
+                                     'Sure: {"name": "f", "parameters": {}}', ' {"name": "f"} ']))
+        return text, text, []
     key = draw(st.sampled_from(["parameters", "arguments"]))
-    lead = draw(st.sampled_from(["", " ", "<|python_tag|>", "\n<|python_tag|>"]))
-    if not calls:  # anything but calls alone is content, as vLLM's parser has it
-        return draw(st.sampled_from(["", "Hello.", " <|python", "<|python_tag|>no call", "{not json", '{"name": "f"}',
-                                     '{"name": "f", "parameters": {}} and some text', '{"a": 1}; {"name": "f", '
-                                     '"parameters": {}}', '; {"name": "f", "parameters": {}}',
-                                     '{"name": "f", "parameters": {}} {"name": "g", "parameters": {}}'])), []
-    text = lead + "; ".join(json.dumps({"name": n, key: a}) for n, a in calls)
-    return text, [{"name": n, "arguments": json.dumps(a)} for n, a in calls]
+    seps = st.sampled_from([";", "; ", " ;\n", ";\n\n"])
+    objects, content, expected = [], "", []
+    for i, (name, args, name_last) in enumerate(calls):
+        if i and draw(st.booleans()):
+            objects.append(draw(st.sampled_from(LLAMA_NOT_CALLS)))
+            content += objects[-1]
+        objects.append(json.dumps({key: args, "name": name} if name_last else {"name": name, key: args}))
+        expected.append({"name": name, "arguments": json.dumps(args)})
+    text = draw(LLAMA_LEADS) + objects[0] + "".join(draw(seps) + o for o in objects[1:])
+    tail = draw(st.sampled_from(["", " and some text", ' {"name": "g", "parameters": {}}', "\n\nDone.\n", " ]",
+                                 ' "x"', ";  \n", "; hello", " ; } {"]))
+    rest = tail.lstrip()
+    rest = rest[1:].lstrip() if rest.startswith(";") else rest  # (one ';' may follow the last object)
+    return text + tail, (content + rest).rstrip(), expected
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(llama_replies(), st.lists(st.integers(0, 200), max_size=8))
+def test_llama3_json_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cuts):
+    text, content, calls = reply
+    whole = run("llama3_json", [text])[:2]
+    assert run("llama3_json", pieces_of(text, cuts))[:2] == whole
+    assert whole == (content, calls)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(llama_replies(), st.lists(st.integers(0, 200), max_size=8))
-def test_llama3_json_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cuts):
-    text, calls = reply
-    whole = run("llama3_json", [text])[:2]
-    assert run("llama3_json", pieces_of(text, cuts))[:2] == whole
-    assert whole == ("" if calls else text, calls)
+@given(st.lists(st.tuples(NAMES, ARGS), min_size=1, max_size=3), LLAMA_LEADS, st.integers(1, 60),
+       st.lists(st.integers(0, 200), max_size=8))
+def test_a_llama3_json_reply_cut_short_keeps_the_arguments_that_came(calls, lead, cut_at, cuts):
+    """A reply cut by max_tokens: every call whose arguments began, with what came of them; an
+    object cut before its arguments began is content; a first object cut so is the whole reply."""
+    objects = [json.dumps({"name": n, "parameters": a}) for n, a in calls]
+    text = lead + "; ".join(objects)
+    cut = text[:max(0, len(text) - cut_at)]
+    whole = run("llama3_json", [cut])[:2]
+    assert run("llama3_json", pieces_of(cut, cuts))[:2] == whole
+    expected, rest, pos = [], "", len(lead)
+    for (n, a), obj in zip(calls, objects):
+        start = pos + obj.index('"parameters": ') + len('"parameters": ')
+        if start < len(cut):
+            expected.append({"name": n, "arguments": json.dumps(a)[:len(cut) - start]})
+        elif pos < len(cut):
+            rest = cut[pos:]  # the object cut before its arguments
+        pos += len(obj) + 2
+    assert whole == ((rest.rstrip(), expected) if expected else (cut, []))
+
+
+def test_llama3_json_arguments_stream_as_they_come():
+    s = ToolCallStream("llama3_json")
+    pieces = ['<|python_tag|>{"name": "add", "param', 'eters": {"a"', ': 1, "b"', ': 3}}', '; {"parameters": {}, ',
+              '"name": "f"}', "; ", '{"name": "g", "arguments": {"s": ";}"}}', " Done."]
+    updates = [s.feed(p, False) for p in pieces] + [s.feed("", True)]
+    assert [[d["function"]["arguments"] for d in u.tool_calls] for u in updates] == [
+        [], ['{"a"'], [': 1, "b"'], [": 3}"], [], ["{}"], [], ['{"s": ";}"}'], [], []]
+    assert updates[1].tool_calls[0]["function"]["name"] == "add" and updates[5].tool_calls[0]["index"] == 1
+    assert "".join(u.content for u in updates) == "Done." and updates[8].content == "Done."
+    assert [(c.name, c.arguments) for c in s.calls] == [("add", '{"a": 1, "b": 3}'), ("f", "{}"), ("g", '{"s": ";}"}')]
+    assert s.finish_reason("stop") == "tool_calls"
+    content, calls, _ = run("llama3_json", ['{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": 1}}'],
+                            max_calls=1)  # parallel_tool_calls=false: the first call
+    assert (content, [c["name"] for c in calls]) == ("", ["f"])
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
