@@ -13,7 +13,9 @@
   for the model's own format (``--tool-call-parser``) finds the calls in it: ``hermes``
   (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Hermes, Qwen, SmolLM3) or
   ``llama3_json`` (a reply that is ``{"name": ..., "parameters": {...}}`` objects, optionally
-  after ``<|python_tag|>`` and separated by ``;``: Llama 3.1-3.3);
+  after ``<|python_tag|>`` and separated by ``;``: Llama 3.1-3.3) or ``pythonic`` (a Python
+  list of calls with literal keyword arguments, ``[get_weather(city="Paris"), f()]``: Llama
+  3.2, ToolACE);
 - ``"none"``: plain text.
 
 A :class:`ToolCallStream` turns a reply's text into content and tool calls as it grows; the
@@ -23,6 +25,7 @@ add up to the unstreamed one.
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from typing import Any
 
 from jaxpaged.input_processor import check_strings
 
-TOOL_PARSERS = ("hermes", "llama3_json")
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic")
 
 
 def tool_call_id() -> str:
@@ -319,6 +322,67 @@ def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+class _PythonList:
+    """A pythonic reply's list ``[f(a=1), g(b="x")]`` read as it arrives (the text starts at its
+    ``[``): ``elements`` holds the span of each element the list has finished (at a ``,`` or
+    the closing ``]`` of the list's own level), ``open`` where the element being read begins,
+    ``end`` where the list's text ends (None while it is open). Python strings (either quote,
+    escapes) are skipped; brackets of any kind count as one level."""
+
+    def __init__(self):
+        self.buf = ""
+        self.pos = self.depth = 0
+        self.quote: str | None = None
+        self.escaped = False
+        self.open = 1
+        self.elements: list[tuple[int, int]] = []
+        self.end: int | None = None
+
+    def feed(self, piece: str) -> None:
+        self.buf += piece
+        for i in range(self.pos, len(self.buf)):
+            if self.end is not None:
+                break
+            ch = self.buf[i]
+            if self.quote is not None:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == self.quote:
+                    self.quote = None
+            elif ch in "'\"":
+                self.quote = ch
+            elif ch in "([{":
+                self.depth += 1
+            elif ch in ")]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.elements.append((self.open, i))
+                    self.end = i + 1
+            elif ch == "," and self.depth == 1:
+                self.elements.append((self.open, i))
+                self.open = i + 1
+        self.pos = len(self.buf)
+
+
+def _python_call(text: str) -> ToolCall | None:
+    """``name(key=literal, ...)`` as a call, its keywords as a JSON object (vLLM's), or None: no
+    positional or ``**`` arguments, every value a literal that JSON can write."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+            or any(k.arg is None for k in node.keywords)):
+        return None
+    try:
+        args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        return ToolCall(node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None
+
+
 @dataclass
 class Update:
     """What a reply gained: content text and tool-call deltas (OpenAI's ``delta.tool_calls`` items),
@@ -353,7 +417,10 @@ class ToolCallStream:
     call is calls, each object of the run ``{...}; {...}`` a call, sent as hermes calls are (a
     call cut short keeps what came; one whose name follows its arguments goes out whole at its
     end); objects of the run that are no call, and the text after the run, are content. Any other
-    reply is content. A reply with no call is its own content, unchanged.
+    reply is content.
+    ``"pythonic"``: a reply whose list's first element is a call is calls, each sent whole when
+    its element ends; elements that are no call, one cut short, and the text after the list are
+    content. Any other reply is content. A reply with no call is its own content, unchanged.
     """
 
     def __init__(self, mode: str, *, name: str | None = None, max_calls: int | None = None):
@@ -370,6 +437,10 @@ class ToolCallStream:
         self.llama, self.llama_next = _LlamaRun(), 0  # llama3_json: the run, the object to read next
         self.llama_call = None  # llama3_json: that object's call (an index, -1 over max_calls), once read
         self.llama_tail = 0  # llama3_json: the text after the run sent as content so far
+        self.py_mode: str | None = None  # pythonic: None (undecided), "calls" or "content"
+        self.py_lead: int | None = None  # pythonic: where the list begins in the text
+        self.py_list, self.py_next = _PythonList(), 0  # pythonic: the list, the element to read next
+        self.py_tail: int | None = None  # pythonic: the text after the list sent as content up to here
         self.array = _Calls(2, ("parameters",))  # required
         self.raw = ""  # required / llama3_json: all text, for when no call is found
         self.finished = False
@@ -397,8 +468,10 @@ class ToolCallStream:
             self._hermes(piece, u)
         elif self.mode == "required":
             self._required(piece, u)
-        else:
+        elif self.mode == "llama3_json":
             self._llama(piece, u)
+        else:
+            self._pythonic(piece, u)
         if finished:
             if not self.calls:  # whitespace that led nowhere is the reply's own
                 u.add_content(self.held_space)
@@ -493,6 +566,54 @@ class ToolCallStream:
 
     def _llama_content(self, u: Update) -> None:
         self.llama_mode = "content"
+        self._content(self.raw, u)
+
+    def _pythonic(self, piece: str, u: Update) -> None:
+        """A reply whose first element (after whitespace and the list's ``[``) is a call is calls:
+        each element of the list a call, sent whole once the element ends (its arguments are
+        Python, not JSON, so there is nothing to stream before); an element that is no call, one
+        cut short, and the text after the list are content. Any other reply is content, as it
+        comes once that shows."""
+        self.raw += piece
+        if self.py_mode == "content":
+            self._content(piece, u)
+            return
+        if self.py_lead is None:
+            head = self.raw.lstrip()
+            if not head.startswith("["):
+                if head or self.finished:
+                    self._python_content(u)
+                return
+            self.py_lead = len(self.raw) - len(head)
+        lst = self.py_list
+        lst.feed(self.raw[self.py_lead + len(lst.buf):])
+        if self.py_mode is None:  # the first element tells
+            if not lst.elements:
+                if self.finished:
+                    self._python_content(u)
+                return
+            start, end = lst.elements[0]
+            if _python_call(lst.buf[start:end]) is None:
+                return self._python_content(u)
+            self.py_mode = "calls"
+        for start, end in lst.elements[self.py_next:]:
+            text = lst.buf[start:end].strip()
+            if text and not self._add_call(_python_call(text), u):
+                self._content(text, u)
+        self.py_next = len(lst.elements)
+        if lst.end is None:
+            if self.finished:  # cut short
+                self._content(lst.buf[lst.open:].lstrip(), u)
+            return
+        if self.py_tail is None and lst.buf[lst.end:].strip():
+            rest = lst.buf[lst.end:]
+            self.py_tail = lst.end + len(rest) - len(rest.lstrip())
+        if self.py_tail is not None:
+            self._content(lst.buf[self.py_tail:], u)
+            self.py_tail = len(lst.buf)
+
+    def _python_content(self, u: Update) -> None:
+        self.py_mode = "content"
         self._content(self.raw, u)
 
     def _hermes(self, piece: str, u: Update) -> None:

@@ -236,6 +236,58 @@ def test_llama3_json_arguments_stream_as_they_come():
     assert (content, [c["name"] for c in calls]) == ("", ["f"])
 
 
+PY_VALUES = st.recursive(st.one_of(st.integers(-5, 5), st.text("ab,)]}\"'\\ \né", max_size=6), st.booleans(),
+                                   st.none(), st.floats(-2, 2, allow_nan=False)),
+                         lambda v: st.lists(v, max_size=2) | st.dictionaries(st.sampled_from(["k", "x,y"]), v, max_size=2),
+                         max_leaves=4)
+PY_NOT_CALLS = ["1", "f(1)", "x", "f(a=b)", "f(**k)", "f(a={1, 2})", "f(a=1e999)", "f.g(a=1)", "f(a=1)(b=2)"]
+
+
+@st.composite
+def pythonic_replies(draw):
+    """A pythonic reply: ``(text, its content, its calls)``. A reply whose list's first element is a
+    call: its elements, calls and elements that are no call (content), then any text (content)."""
+    calls = draw(st.lists(st.tuples(NAMES, st.dictionaries(st.sampled_from(["city", "a", "n"]), PY_VALUES,
+                                                           max_size=3)), max_size=3))
+    if not calls:  # a reply whose list's first element is no call is content, as it is
+        text = draw(st.sampled_from(["", " ", "Hello.", "[]", "[ ]", "[1, f(a=1)]", "f(a=1)", "[f(a=1)", "(f(a=1))",
+                                     *(f"[{e}]" for e in PY_NOT_CALLS), "Sure: [f(a=1)]"]))
+        return text, text, []
+    sep = draw(st.sampled_from([", ", ",", ",\n "]))
+    elements, content, expected = [], "", []
+    for i, (name, args) in enumerate(calls):
+        if i and draw(st.booleans()):
+            elements.append(draw(st.sampled_from(PY_NOT_CALLS)))
+            content += elements[-1]
+        elements.append(f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")")
+        expected.append({"name": name, "arguments": json.dumps(args, ensure_ascii=False)})
+    text = draw(st.sampled_from(["", " ", "\n"])) + "[" + sep.join(elements) + draw(st.sampled_from(["", ",", " "]))
+    tail = draw(st.sampled_from(["", " and some text", "\n\nDone.\n", " ]", ' "x"', "[g()]"]))
+    return text + "]" + tail, (content + tail.strip()).rstrip(), expected
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(pythonic_replies(), st.lists(st.integers(0, 200), max_size=8))
+def test_pythonic_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cuts):
+    text, content, calls = reply
+    whole = run("pythonic", [text])[:2]
+    assert run("pythonic", pieces_of(text, cuts))[:2] == whole
+    assert whole == (content, calls)
+
+
+def test_pythonic_calls_go_out_as_their_elements_end():
+    s = ToolCallStream("pythonic")
+    pieces = ['[get_weather(city="Par', 'is, \\"FR\\")"), ', "add(a=1, b=[2, {'c': None}]", ")", "] Done."]
+    updates = [s.feed(p, False) for p in pieces] + [s.feed("", True)]
+    assert [[(d["function"]["name"], d["function"]["arguments"]) for d in u.tool_calls] for u in updates] == [
+        [], [("get_weather", '{"city": "Paris, \\"FR\\")"}')], [], [], [("add", '{"a": 1, "b": [2, {"c": null}]}')], []]
+    assert "".join(u.content for u in updates) == "Done." and s.finish_reason("stop") == "tool_calls"
+    content, calls, _ = run("pythonic", ["[f(), g(a=1), h(b=2)]"], max_calls=1)  # parallel_tool_calls=false
+    assert (content, calls) == ("", [{"name": "f", "arguments": "{}"}])
+    content, calls, _ = run("pythonic", ["[f(a=1), g(b="])  # cut short: the open element is content
+    assert (content, calls) == ("g(b=", [{"name": "f", "arguments": '{"a": 1}'}])
+
+
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(NAMES, ARGS), max_size=3), st.sampled_from(["", " ", "\n  "]), st.booleans(),
        st.integers(0, 40), st.lists(st.integers(0, 200), max_size=8))
