@@ -535,3 +535,28 @@ def test_auto_tool_choice_and_its_parser_go_together_on_the_command_line(capsys)
     with pytest.raises(SystemExit):
         run(["--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
     assert "invalid choice: 'mistral'" in capsys.readouterr().err
+
+
+# Each parser's reply forced with a regex (the random model would write none): a call, then text.
+PARSED_REPLIES = {
+    "llama3_json": r'<\|python_tag\|>\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome)", "unit": "C"\}\}'
+                   r'; \{"name": "add", "parameters": \{"a": 1, "b": 3\}\} Done\.',
+    "pythonic": r'\[get_weather\(city="(Paris|Rome)", unit="C"\), add\(a=1, b=3\)\] Done\.',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(PARSED_REPLIES))
+def test_auto_tool_choice_finds_the_models_own_calls_with_the_other_parsers(tiny_engine_model, parser):
+    server = Running(LLM(tiny_engine_model, **ENGINE), tool_call_parser=parser)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=80, temperature=0.8,
+                  seed=3, extra_body={"structured_outputs": {"regex": PARSED_REPLIES[parser]}})
+        w = whole(client, **kw)
+        content, calls, reason = w
+        assert content == "Done." and reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather", "add"]
+        check_weather(calls[0]["arguments"])
+        assert json.loads(calls[1]["arguments"]) == {"a": 1, "b": 3}
+        assert same(streamed(client, **kw), w)
+    finally:
+        server.stop()
