@@ -36,6 +36,7 @@ from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
+from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
 from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -116,6 +117,10 @@ class LLM:
         repetition_penalty, max_new_tokens) are those of requests that give no parameters,
         as in vLLM (:mod:`jaxpaged.generation_config`); ``"vllm"``: jaxpaged's own; or a
         folder whose ``generation_config.json`` to take.
+      reasoning_parser: a reasoning model's think tags (``"deepseek_r1"``, vLLM's names; see
+        :mod:`jaxpaged.reasoning`): a structured output's grammar then starts after the
+        reasoning, so the model thinks freely first; the server splits replies into
+        ``reasoning`` and ``content``. The tokenizer must hold the tags as tokens.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int | None = None,
@@ -126,7 +131,8 @@ class LLM:
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
                  kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False,
                  speculative_config: SpeculativeConfig | dict | None = None, generation_config: str | Path = "auto",
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", reasoning_parser: str | None = None):
+        check_reasoning_parser(reasoning_parser)  # a bad name fails before loading
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
@@ -153,6 +159,7 @@ class LLM:
             args = dataclasses.replace(args, block_size=block_size)
         self.args, self.loaded, self.config, self.tokenizer = args, lm, lm.config, lm.tokenizer
         self.default_sampling_overrides = overrides
+        self.reasoning = ReasoningParser(reasoning_parser, lm.tokenizer) if reasoning_parser is not None else None
         self.tensor_parallel_size, self.block_size = tensor_parallel_size, block_size
         cfg = lm.config
         self.max_model_len = args.model_len(cfg.max_position_embeddings)
@@ -207,7 +214,7 @@ class LLM:
                                async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
                                      check_request=self.scheduler.check_request, seed=seed, eos_ids=self.eos_ids,
-                                     default_params=self.get_default_sampling_params())
+                                     default_params=self.get_default_sampling_params(), reasoning=self.reasoning)
         self.outputs = OutputProcessor(self.tokenizer)
         self._unclaimed: dict[str, Request] = {}  # changed since step() last returned them
         self._claimed: dict[str, dict[str, Request]] = {}  # generate/stream requests -> their inbox

@@ -12,7 +12,7 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Container, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Request
 from jaxpaged.structured_output import Grammars, allowed_bitmask
+
+if TYPE_CHECKING:
+    from jaxpaged.reasoning import ReasoningParser
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -139,12 +142,16 @@ class InputProcessor:
       eos_ids: the model's end-of-sequence tokens (what a complete structured output allows).
       default_params: a request's parameters when it gives none (the model's generation config's,
         see :mod:`jaxpaged.generation_config`).
+      reasoning: the model's reasoning parser: a structured output's grammar starts once the
+        reasoning ends (:mod:`jaxpaged.reasoning`).
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
                  check_request: Callable[[int, SamplingParams, int], None], seed: int = 0,
-                 eos_ids: Sequence[int] = (), default_params: SamplingParams | None = None):
+                 eos_ids: Sequence[int] = (), default_params: SamplingParams | None = None,
+                 reasoning: ReasoningParser | None = None):
         self.tokenizer = tokenizer
+        self.reasoning = reasoning
         self.default_params = SamplingParams() if default_params is None else default_params
         self.grammars = Grammars(tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
         self.vocab_size = vocab_size
@@ -293,5 +300,9 @@ class InputProcessor:
                                             stop=params.stop, min_tokens=params.min_tokens,
                                             include_stop=params.include_stop_str_in_output)
         if params.structured_outputs is not None:
-            req.seqs[0].matcher = self.grammars.matcher(self.grammars.compile(params.structured_outputs))
+            matcher = self.grammars.matcher(self.grammars.compile(params.structured_outputs))
+            if self.reasoning is not None and not self.reasoning.ended(ids):  # the grammar follows the thinking
+                req.grammar_after, req.seqs[0].pending_matcher = self.reasoning.end_id, matcher
+            else:
+                req.seqs[0].matcher = matcher
         return req

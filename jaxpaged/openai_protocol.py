@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpaged.generation_config import for_request
 from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from jaxpaged.reasoning import ReasoningParser, ReasoningStream
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.structured_output import StructuredOutputsParams, as_structured_outputs
 from jaxpaged.tool_calling import ToolCallStream, ToolChoice, check_tools, resolve_tool_choice, tool_schema
@@ -350,8 +351,9 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
         """The most tokens the request itself asks for (None: none given)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, tool_call_parser: str | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(self, tool_call_parser: str | None = None, defaults: dict[str, Any] | None = None,
+                        reasoning: ReasoningParser | None = None) -> SamplingParams:
+        """With a ``reasoning`` parser whose tags are special tokens, they stay in the text."""
         choice = self.tool_choice_of(tool_call_parser)
         try:
             schema = None if choice.kind == "none" else tool_schema(choice, self.tools,
@@ -359,7 +361,8 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
         except ValueError as e:
             raise APIError(400, str(e), param="tools", code="invalid_value") from None
         # vLLM's hermes parser reads its tags with special tokens left in the text.
-        skip = False if choice.kind == "auto" and tool_call_parser == "hermes" else None
+        skip = False if (choice.kind == "auto" and tool_call_parser == "hermes"
+                         or reasoning is not None and reasoning.tags_special) else None
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -512,25 +515,34 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
             "choices": choices, "usage": usage(outputs, echo_only=req.echo_only)}
 
 
-def chat_message(c: CompletionOutput, tool_calls: dict | None, role: str = "assistant") -> tuple[dict, str | None]:
+def chat_message(c: CompletionOutput, tool_calls: dict | None, role: str = "assistant",
+                 reasoning: ReasoningStream | None = None) -> tuple[dict, str | None]:
     """A choice's ``message`` and ``finish_reason``; with ``tool_calls`` (``ToolCallStream``'s
-    arguments) the calls found in its text, as the streamed deltas give them."""
+    arguments) the calls found in its text, as the streamed deltas give them; with ``reasoning``
+    (the choice's splitter) its thinking as ``reasoning``, the rest as its content (vLLM's)."""
     reason = FINISH_REASONS.get(c.finish_reason)
+    thought, text = reasoning.feed(c.text, True) if reasoning is not None else (None, c.text)
     if tool_calls is None:
-        return {"role": role, "content": c.text}, reason
+        message = {"role": role, "content": text if reasoning is None else text or None}
+        if reasoning is not None:
+            message["reasoning"] = thought or None
+        return message, reason
     stream = ToolCallStream(**tool_calls)
-    update = stream.feed(c.text, True)
+    update = stream.feed(text, True)
     message = {"role": role, "content": update.content or None}
+    if reasoning is not None:
+        message["reasoning"] = thought or None
     if stream.calls:
         message["tool_calls"] = [call.as_dict() for call in stream.calls]
     return message, stream.finish_reason(reason)
 
 
 def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatCompletionRequest,
-                  tool_calls: dict | None = None) -> dict:
+                  tool_calls: dict | None = None, reasoning: ReasoningParser | None = None) -> dict:
     choices = []
     for c in out.outputs:
-        message, reason = chat_message(c, tool_calls, req.reply_role())
+        split = reasoning.stream(out.prompt_token_ids) if reasoning is not None else None
+        message, reason = chat_message(c, tool_calls, req.reply_role(), split)
         if echo := req.echoed():
             message["content"] = echo + (message["content"] or "")
         choices.append({"index": c.index, "message": message,

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from jaxpaged.input_processor import check_strings
 from jaxpaged.openai_protocol import APIError, ChatCompletionRequest
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.reasoning import ReasoningParser
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.tool_calling import ToolCallStream, Update
 
@@ -97,6 +98,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
@@ -209,7 +211,7 @@ class ResponsesRequest(BaseModel):
             "response_format": self.response_format(), "user": self.user, "logprobs": self.logprobs,
             "top_logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             **{k: getattr(self, k) for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                                             "stop", "ignore_eos", "cache_salt", "priority")},
+                                             "logit_bias", "stop", "ignore_eos", "cache_salt", "priority")},
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
@@ -243,6 +245,8 @@ def items_to_messages(items: list[dict], what: str, known_calls: set[str]) -> li
                 last.setdefault("tool_calls", []).append(call)  # the turn's text, then its calls
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":  # earlier thinking: a reasoning model's template leaves it out
+            continue
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
             if call_id not in known_calls:
@@ -250,8 +254,8 @@ def items_to_messages(items: list[dict], what: str, known_calls: set[str]) -> li
                            f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _string(item, "output", where)})
         else:
-            raise _bad(f"{where}.type {kind!r:.100} is not supported: input items are messages, function_call "
-                       "and function_call_output", f"{where}.type", "unsupported_value")
+            raise _bad(f"{where}.type {kind!r:.100} is not supported: input items are messages, function_call, "
+                       "function_call_output and reasoning", f"{where}.type", "unsupported_value")
     return messages
 
 
@@ -300,9 +304,18 @@ class OutputItems:
         self.by_call: dict[int, dict] = {}  # a tool call's index -> its item
         self.logprobs: list[dict] = []  # not yet sent with a text delta
 
-    def feed(self, update: Update, logprobs: list[dict] = ()) -> list[dict]:
+    def feed(self, update: Update, logprobs: list[dict] = (), reasoning: str = "") -> list[dict]:
+        """``reasoning``: thinking that came before ``update`` (a reasoning model's), a ``reasoning``
+        item's text."""
         events: list[dict] = []
         self.logprobs += logprobs
+        if reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                self._begin({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "in_progress",
+                             "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}, events)
+            self.open["content"][0]["text"] += reasoning
+            events.append({"type": "response.reasoning_text.delta", **self._where(), "content_index": 0,
+                           "delta": reasoning})
         for part in update.parts:
             if isinstance(part, str):
                 self._message(events)
@@ -366,6 +379,9 @@ class OutputItems:
                         "text": part["text"], "logprobs": copy.deepcopy(part["logprobs"])},
                        {"type": "response.content_part.done", **self._where(), "content_index": 0,
                         "part": copy.deepcopy(part)}]
+        elif item["type"] == "reasoning":
+            events.append({"type": "response.reasoning_text.done", **self._where(), "content_index": 0,
+                           "text": item["content"][0]["text"]})
         else:
             events.append({"type": "response.function_call_arguments.done", **self._where(),
                            "name": item["name"], "arguments": item["arguments"]})
@@ -390,14 +406,17 @@ def plain(text: str) -> Update:
 
 
 def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, status: str,
-                  output: list[dict], out: RequestOutput | None = None) -> dict:
-    """The response object (``status``: ``in_progress``, ``completed`` or ``incomplete``)."""
+                  output: list[dict], out: RequestOutput | None = None, reasoning: ReasoningParser | None = None) -> dict:
+    """The response object (``status``: ``in_progress``, ``completed`` or ``incomplete``); with
+    ``reasoning`` (the model's parser) its usage counts the reasoning's tokens."""
     usage = None
     if out is not None:
         n_in, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+        thinking = sum(reasoning.num_tokens(out.prompt_token_ids, c.token_ids) for c in out.outputs) \
+            if reasoning is not None else 0
         usage = {"input_tokens": n_in,
                  "input_tokens_details": {"cached_tokens": out.num_cached_tokens, "cache_write_tokens": 0},
-                 "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": thinking},
                  "total_tokens": n_in + n_out}
     return {
         "id": rid, "object": "response", "created_at": created, "status": status, "error": None,

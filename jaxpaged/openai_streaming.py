@@ -18,6 +18,7 @@ from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, Completio
                                       chunk, completion_logprobs, echo_text, usage)
 from jaxpaged.openai_responses import OutputItems, final_status, plain, reply_stream, response_body, sse_event
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.reasoning import ReasoningParser, ReasoningStream
 from jaxpaged.tool_calling import ToolCallStream
 
 
@@ -136,12 +137,14 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
 
 
 def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionRequest,
-                held: int, tool_calls: dict | None = None) -> AsyncIterator[str]:
+                held: int, tool_calls: dict | None = None, reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
     """With ``tool_calls`` (``ToolCallStream``'s arguments) each choice's text goes through its
-    own stream of calls: content deltas and ``tool_calls`` deltas, as the whole response has them."""
+    own stream of calls: content deltas and ``tool_calls`` deltas, as the whole response has them;
+    with ``reasoning`` (the model's parser) its thinking first goes out as ``reasoning`` deltas."""
     deltas = _Deltas(held)
     started: set[int] = set()
     calls: dict[int, ToolCallStream] = {}
+    splits: dict[int, ReasoningStream] = {}
 
     def make_chunks(_: int, out: RequestOutput):
         for c in out.outputs:
@@ -158,7 +161,11 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
             if d is None:
                 continue
             text, first = d
-            delta, reason = {"content": text} if text else {}, c.finish_reason
+            reason, thought = c.finish_reason, ""
+            if reasoning is not None:
+                split = splits.setdefault(c.index, reasoning.stream(out.prompt_token_ids))
+                thought, text = split.feed(text, reason is not None)
+            delta = {"content": text} if text else {}
             if tool_calls is not None:
                 s = calls.setdefault(c.index, ToolCallStream(**tool_calls))
                 update = s.feed(text, reason is not None)
@@ -166,8 +173,11 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
                 if update.tool_calls:
                     delta["tool_calls"] = update.tool_calls
                 reason = s.finish_reason(reason)
-                if not delta and reason is None and not body.logprobs:  # text the calls hold back (vLLM sends none)
-                    continue
+            if thought:
+                delta = {"reasoning": thought, **delta}
+            if (not delta and reason is None and not body.logprobs
+                    and (tool_calls is not None or reasoning is not None)):  # text held back (vLLM sends none)
+                continue
             yield chunk(rid, model, "chat", [{
                 "index": c.index, "delta": delta,
                 "logprobs": chat_logprobs(c, body.top_logprobs or 0, first, bool(body.return_tokens_as_token_ids))
@@ -180,11 +190,14 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
 
 
 async def response_events(engine, stream: RequestStream, rid: str, created: int, model: str, body,
-                          held: int, tool_calls: dict | None, done) -> AsyncIterator[str]:
+                          held: int, tool_calls: dict | None, done,
+                          reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
     """The Responses API's events for one reply (``body``: the ``ResponsesRequest``); ``done(response)``
-    is called with the finished response before its last event (to store it)."""
+    is called with the finished response before its last event (to store it). With ``reasoning``
+    (the model's parser) its thinking is a ``reasoning`` item before the others."""
     seq = itertools.count()
     deltas, calls = _Deltas(held), reply_stream(tool_calls)
+    split = None
     items = OutputItems(text_only=calls is None)
     try:
         started = response_body(rid, created, model, body, status="in_progress", output=[])
@@ -197,15 +210,20 @@ async def response_events(engine, stream: RequestStream, rid: str, created: int,
             if d is None:
                 continue
             text, first = d
+            thought = ""
+            if reasoning is not None:
+                split = split or reasoning.stream(out.prompt_token_ids)
+                thought, text = split.feed(text, finished)
             update = plain(text) if calls is None else calls.feed(text, finished)
             logprobs = chat_logprobs(c, body.top_logprobs or 0, first)["content"] if body.logprobs else ()
-            for event in items.feed(update, logprobs):
+            for event in items.feed(update, logprobs, thought):
                 yield sse_event(event, next(seq))
             if finished:
                 status = final_status(out)
                 for event in items.finish(status):
                     yield sse_event(event, next(seq))
-                final = response_body(rid, created, model, body, status=status, output=items.items, out=out)
+                final = response_body(rid, created, model, body, status=status, output=items.items, out=out,
+                                      reasoning=reasoning)
                 done(final)
                 yield sse_event({"type": f"response.{status}", "response": final}, next(seq))
                 return

@@ -172,7 +172,7 @@ class SchedulerOutput:
         """A row with a structured output samples: its mask follows the grammar's state, so with
         a runner that cannot wait to sample, the next step is not scheduled ahead of this one's
         tokens."""
-        return any(s.num_samples and s.seq.matcher is not None for s in self.scheduled)
+        return any(s.num_samples and s.seq.structured for s in self.scheduled)
 
     @property
     def sampler_waits(self) -> bool:
@@ -181,7 +181,7 @@ class SchedulerOutput:
         words look at it.
         Such a step's sampler is launched once that step is applied."""
         # schedule() counts the row's own sample as pending: one more is the step before's.
-        return any(s.num_samples and s.seq.num_pending > 1 and (s.seq.matcher is not None
+        return any(s.num_samples and s.seq.num_pending > 1 and (s.seq.structured
                                                                 or s.seq.request.samples_after_tokens)
                    for s in self.scheduled)
 
@@ -368,6 +368,8 @@ class Scheduler:
                     break
                 matchers.append(m)
             del draft[len(matchers):]
+        elif seq.pending_matcher is not None and req.grammar_after in draft:  # no draft past the reasoning's end:
+            del draft[draft.index(req.grammar_after):]                        # the grammar masks what follows it
         # Only slots the pool has to spare: drafts never preempt, nor take the blocks running
         # sequences grow into (the watermark admission keeps free for them).
         bs = self.kv.block_size
@@ -770,6 +772,8 @@ class Scheduler:
                           max_model_len=self.max_model_len)
         if stop is None and seq.matcher is not None:
             stop = self._advance_grammar(seq, token)
+        elif seq.pending_matcher is not None and token == seq.request.grammar_after:  # the next token is the grammar's
+            seq.matcher, seq.pending_matcher = seq.pending_matcher, None
         if stop is not None:
             seq.finish_reason, seq.stop_reason = stop
             if seq.seq_id in self.kv:  # not when preempted by recompute while its token was pending

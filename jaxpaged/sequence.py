@@ -52,12 +52,20 @@ class Sequence:
         self.finish_detail: str | None = None  # set when the engine, not the model, ended it
         self.detok: Detokenizer | None = None
         self.matcher: Matcher | None = None  # its structured output's grammar state
+        # The grammar that starts once its reasoning ends (the request's grammar_after token).
+        self.pending_matcher: Matcher | None = None
         self._array: np.ndarray | None = None  # token_ids mirrored as they grow (token_array)
         self._filled = 0  # how many of them the mirror holds
 
     @property
     def num_prompt_tokens(self) -> int:
         return self.request.num_prompt_tokens
+
+    @property
+    def structured(self) -> bool:
+        """It has a structured output, started or waiting for its reasoning to end: its mask
+        depends on the tokens before."""
+        return self.matcher is not None or self.pending_matcher is not None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -112,6 +120,7 @@ class Sequence:
         child.logprobs = list(self.logprobs)
         child.detok = self.detok.fork() if self.detok is not None else None
         child.matcher = self.matcher.fork() if self.matcher is not None else None
+        child.pending_matcher = self.pending_matcher.fork() if self.pending_matcher is not None else None
         return child
 
 
@@ -139,6 +148,9 @@ class Request:
         self.beam = beam  # beam search state: finished hypotheses; None when sampling
         # allowed_token_ids (and single-token bad_words, cleared) as a token bitmask (structured_output.allowed_bitmask)
         self.allowed_mask = None
+        # A reasoning model's end-of-thinking token: its structured output's grammar starts after it
+        # (a sequence's pending_matcher until then); None where the grammar starts at once.
+        self.grammar_after: int | None = None
         # The bad_words of more than one token: (the tokens before the last, the last), the last masked
         # where the output ends with the others.
         self.bad_word_prefixes: list[tuple[tuple[int, ...], int]] = []

@@ -72,6 +72,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         check_syntax(chat_template)
     metrics = Metrics(engine)
     engine.stat_loggers.append(metrics.record)
+    reasoning = engine.llm.reasoning  # LLM(reasoning_parser=...): replies split into reasoning and content
     responses_store = ResponseStore(responses_store_size)
 
     @contextlib.asynccontextmanager
@@ -134,7 +135,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             body.return_tokens_as_token_ids = return_tokens_as_token_ids
         defaults = engine.llm.default_sampling_overrides  # the model's generation config's
         if isinstance(body, ChatCompletionRequest):
-            params = body.sampling_params(tool_call_parser, defaults)
+            params = body.sampling_params(tool_call_parser, defaults, reasoning)
         else:
             params = body.sampling_params(defaults)
         if body.stream and params.use_beam_search:
@@ -244,8 +245,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         model = served_model_name
         streams = await add([{"prompt_token_ids": ids}], params, rid, body)
         held = params.output_text_buffer_length
-        events = chat_events(engine, rid, model, streams[0], body, held, tool_calls) if body.stream else None
-        return await respond(raw, streams, events, lambda outs: chat_response(rid, model, outs[0], body, tool_calls))
+        events = chat_events(engine, rid, model, streams[0], body, held, tool_calls, reasoning) if body.stream else None
+        return await respond(raw, streams, events,
+                             lambda outs: chat_response(rid, model, outs[0], body, tool_calls, reasoning))
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request):
@@ -276,17 +278,19 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
         if body.stream:
             return _EngineStream(response_events(engine, streams[0], rid, created, served_model_name, body,
-                                                 params.output_text_buffer_length, tool_calls, done), engine, streams)
+                                                 params.output_text_buffer_length, tool_calls, done, reasoning),
+                                 engine, streams)
 
         def finish(outs: list[RequestOutput]) -> dict:
             out, calls = outs[0], reply_stream(tool_calls)
             items, c = OutputItems(text_only=calls is None), out.outputs[0]
             logprobs = chat_logprobs(c, body.top_logprobs or 0)["content"] if body.logprobs else ()
-            items.feed(plain(c.text) if calls is None else calls.feed(c.text, True), logprobs)
+            thought, text = reasoning.stream(out.prompt_token_ids).feed(c.text, True) if reasoning else ("", c.text)
+            items.feed(plain(text) if calls is None else calls.feed(text, True), logprobs, thought)
             status = final_status(out)
             items.finish(status)
             response = response_body(rid, created, served_model_name, body, status=status, output=items.items,
-                                     out=out)
+                                     out=out, reasoning=reasoning)
             done(response)
             return response
 

@@ -627,7 +627,7 @@ class ToolCallStream:
             if not self.in_call:
                 i = self.pending.find(start)
                 if i < 0:
-                    keep = 0 if self.finished else _partial_suffix(self.pending, start)
+                    keep = 0 if self.finished else partial_suffix(self.pending, start)
                     self._content(self.pending[:len(self.pending) - keep], u)
                     self.pending = self.pending[len(self.pending) - keep:]
                     return
@@ -641,7 +641,7 @@ class ToolCallStream:
                 if self.block.open_call is None or not self.block.in_string:
                     break
                 j = self.pending.find(end, j + 1)
-            keep = 0 if j >= 0 or self.finished else _partial_suffix(self.pending, end)
+            keep = 0 if j >= 0 or self.finished else partial_suffix(self.pending, end)
             body = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - keep]
             self._stream_block(body, u)
             if j < 0 and not self.finished:
@@ -662,7 +662,7 @@ class ToolCallStream:
         self.block_call = self._stream_call(self.block_call, name, self.block.buf[s:e], u)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that ``marker`` starts with (0 if none)."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-k:]):

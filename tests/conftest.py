@@ -205,6 +205,21 @@ def tiny_engine_model(tiny_engine_folder):
 
 
 @pytest.fixture(scope="session")
+def think_engine_model(tmp_path_factory):
+    """The tiny engine model whose tokenizer also holds a reasoning model's ``<think>`` and
+    ``</think>`` (added tokens, not special ones, as DeepSeek-R1's are)."""
+    from transformers import AutoTokenizer
+
+    from jaxpaged.loader import load_model
+
+    folder = make_tiny_engine_folder(tmp_path_factory.mktemp("tiny-think"), vocab_size=49160)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(folder)
+    return load_model(folder, attention_backend="xla")
+
+
+@pytest.fixture(scope="session")
 def small_vocab_engine_folder(tmp_path_factory):
     return make_tiny_engine_folder(tmp_path_factory.mktemp("tiny-engine-20k"), vocab_size=20480)
 
