@@ -406,7 +406,8 @@ def plain(text: str) -> Update:
 
 
 def response_body(rid: str, created: int, model: str, req: ResponsesRequest, *, status: str,
-                  output: list[dict], out: RequestOutput | None = None, reasoning: ReasoningParser | None = None) -> dict:
+                  output: list[dict], out: RequestOutput | None = None,
+                  reasoning: ReasoningParser | None = None) -> dict:
     """The response object (``status``: ``in_progress``, ``completed`` or ``incomplete``); with
     ``reasoning`` (the model's parser) its usage counts the reasoning's tokens."""
     usage = None

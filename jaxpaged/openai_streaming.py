@@ -137,7 +137,8 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
 
 
 def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionRequest,
-                held: int, tool_calls: dict | None = None, reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
+                held: int, tool_calls: dict | None = None,
+                reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
     """With ``tool_calls`` (``ToolCallStream``'s arguments) each choice's text goes through its
     own stream of calls: content deltas and ``tool_calls`` deltas, as the whole response has them;
     with ``reasoning`` (the model's parser) its thinking first goes out as ``reasoning`` deltas."""
