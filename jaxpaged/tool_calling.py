@@ -432,13 +432,11 @@ class ToolCallStream:
         self.held_space = ""  # whitespace-only content held back
         self.in_call = False  # hermes: inside <tool_call>
         self.block, self.block_call = _Calls(1, ("arguments",)), None  # hermes: the block's call (-1: over max_calls)
-        self.llama_mode: str | None = None  # llama3_json: None (undecided), "calls" or "content"
-        self.llama_lead: int | None = None  # llama3_json: where the run begins in the text (after the tag)
+        self.reply_mode: str | None = None  # llama3_json, pythonic: None (undecided), "calls" or "content"
+        self.lead: int | None = None  # llama3_json, pythonic: where the run or list begins in the text
         self.llama, self.llama_next = _LlamaRun(), 0  # llama3_json: the run, the object to read next
         self.llama_call = None  # llama3_json: that object's call (an index, -1 over max_calls), once read
         self.llama_tail = 0  # llama3_json: the text after the run sent as content so far
-        self.py_mode: str | None = None  # pythonic: None (undecided), "calls" or "content"
-        self.py_lead: int | None = None  # pythonic: where the list begins in the text
         self.py_list, self.py_next = _PythonList(), 0  # pythonic: the list, the element to read next
         self.py_tail: int | None = None  # pythonic: the text after the list sent as content up to here
         self.array = _Calls(2, ("parameters",))  # required
@@ -526,28 +524,19 @@ class ToolCallStream:
         arguments object opens, its arguments (as written) as they come, or parsed whole at its
         end (name last); an object of the run that is no call, and whatever follows the run, is
         content. Any other reply is content, as it comes once that shows."""
-        self.raw += piece
-        if self.llama_mode == "content":
-            self._content(piece, u)
+        if not self._reply_begun(piece, u, "{", tag=_LLAMA_TAG):
             return
-        if self.llama_lead is None:
-            head = self.raw.lstrip()
-            if not head.startswith((_LLAMA_TAG, "{")):
-                if self.finished or not _LLAMA_TAG.startswith(head):  # ("": whitespace so far)
-                    self._llama_content(u)
-                return
-            self.llama_lead = len(self.raw) - len(head) + (len(_LLAMA_TAG) if head[0] == "<" else 0)
         run = self.llama
-        run.feed(self.raw[self.llama_lead + len(run.buf):])
-        if self.llama_mode is None:  # the first object tells
+        run.feed(self.raw[self.lead + len(run.buf):])
+        if self.reply_mode is None:  # the first object tells
             first = run.objects[0] if run.objects else None
             if first is None or (first[1] is None and first[2] is None):
                 if run.over is not None or self.finished:
-                    self._llama_content(u)
+                    self._all_content(u)
                 return
             if first[2] is None and _call(run.buf[first[0]:first[1]], _LLAMA_KEYS) is None:
-                return self._llama_content(u)
-            self.llama_mode = "calls"
+                return self._all_content(u)
+            self.reply_mode = "calls"
         while self.llama_next < len(run.objects):
             start, end, call = run.objects[self.llama_next]
             if call is not None:
@@ -564,8 +553,27 @@ class ToolCallStream:
             self._content(run.buf[self.llama_tail:], u)
             self.llama_tail = len(run.buf)
 
-    def _llama_content(self, u: Update) -> None:
-        self.llama_mode = "content"
+    def _reply_begun(self, piece: str, u: Update, opening: str, tag: str | None = None) -> bool:
+        """llama3_json, pythonic: take ``piece``; True once the reply (after whitespace, and ``tag``
+        if it comes first) begins with ``opening``, then ``self.lead`` is where (past the tag).
+        False while it still may, or once it cannot: then the reply is content, sent as it comes."""
+        self.raw += piece
+        if self.reply_mode == "content":
+            self._content(piece, u)
+            return False
+        if self.lead is None:
+            head = self.raw.lstrip()
+            skip = len(tag) if tag is not None and head.startswith(tag) else 0
+            if not (skip or head.startswith(opening)):
+                if self.finished or not (opening.startswith(head) or tag is not None and tag.startswith(head)):
+                    self._all_content(u)
+                return False
+            self.lead = len(self.raw) - len(head) + skip
+        return True
+
+    def _all_content(self, u: Update) -> None:
+        """llama3_json, pythonic: the reply is no calls, all content: what came so far goes out."""
+        self.reply_mode = "content"
         self._content(self.raw, u)
 
     def _pythonic(self, piece: str, u: Update) -> None:
@@ -574,28 +582,19 @@ class ToolCallStream:
         Python, not JSON, so there is nothing to stream before); an element that is no call, one
         cut short, and the text after the list are content. Any other reply is content, as it
         comes once that shows."""
-        self.raw += piece
-        if self.py_mode == "content":
-            self._content(piece, u)
+        if not self._reply_begun(piece, u, "["):
             return
-        if self.py_lead is None:
-            head = self.raw.lstrip()
-            if not head.startswith("["):
-                if head or self.finished:
-                    self._python_content(u)
-                return
-            self.py_lead = len(self.raw) - len(head)
         lst = self.py_list
-        lst.feed(self.raw[self.py_lead + len(lst.buf):])
-        if self.py_mode is None:  # the first element tells
+        lst.feed(self.raw[self.lead + len(lst.buf):])
+        if self.reply_mode is None:  # the first element tells
             if not lst.elements:
                 if self.finished:
-                    self._python_content(u)
+                    self._all_content(u)
                 return
             start, end = lst.elements[0]
             if _python_call(lst.buf[start:end]) is None:
-                return self._python_content(u)
-            self.py_mode = "calls"
+                return self._all_content(u)
+            self.reply_mode = "calls"
         for start, end in lst.elements[self.py_next:]:
             text = lst.buf[start:end].strip()
             if text and not self._add_call(_python_call(text), u):
@@ -611,10 +610,6 @@ class ToolCallStream:
         if self.py_tail is not None:
             self._content(lst.buf[self.py_tail:], u)
             self.py_tail = len(lst.buf)
-
-    def _python_content(self, u: Update) -> None:
-        self.py_mode = "content"
-        self._content(self.raw, u)
 
     def _hermes(self, piece: str, u: Update) -> None:
         """Text outside ``<tool_call>`` blocks is content; a block's call goes out once its name
