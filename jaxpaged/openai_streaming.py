@@ -164,11 +164,14 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
             text, first = d
             reason, thought = c.finish_reason, ""
             if reasoning is not None:
-                split = splits.setdefault(c.index, reasoning.stream(out.prompt_token_ids))
-                thought, text = split.feed(text, reason is not None)
+                if c.index not in splits:
+                    splits[c.index] = reasoning.stream(out.prompt_token_ids)
+                thought, text = splits[c.index].feed(text, reason is not None)
             delta = {"content": text} if text else {}
             if tool_calls is not None:
-                s = calls.setdefault(c.index, ToolCallStream(**tool_calls))
+                if c.index not in calls:
+                    calls[c.index] = ToolCallStream(**tool_calls)
+                s = calls[c.index]
                 update = s.feed(text, reason is not None)
                 delta = {"content": update.content} if update.content else {}
                 if update.tool_calls:
@@ -195,7 +198,8 @@ async def response_events(engine, stream: RequestStream, rid: str, created: int,
                           reasoning: ReasoningParser | None = None) -> AsyncIterator[str]:
     """The Responses API's events for one reply (``body``: the ``ResponsesRequest``); ``done(response)``
     is called with the finished response before its last event (to store it). With ``reasoning``
-    (the model's parser) its thinking is a ``reasoning`` item before the others."""
+    (the model's parser) its thinking is a ``reasoning`` item before the others (its tokens'
+    logprobs left out of the message's)."""
     seq = itertools.count()
     deltas, calls = _Deltas(held), reply_stream(tool_calls)
     split = None
@@ -216,7 +220,8 @@ async def response_events(engine, stream: RequestStream, rid: str, created: int,
                 split = split or reasoning.stream(out.prompt_token_ids)
                 thought, text = split.feed(text, finished)
             update = plain(text) if calls is None else calls.feed(text, finished)
-            logprobs = chat_logprobs(c, body.top_logprobs or 0, first)["content"] if body.logprobs else ()
+            thinking = reasoning.num_tokens(out.prompt_token_ids, c.token_ids) if reasoning is not None else 0
+            logprobs = chat_logprobs(c, body.top_logprobs or 0, max(first, thinking))["content"] if body.logprobs else ()
             for event in items.feed(update, logprobs, thought):
                 yield sse_event(event, next(seq))
             if finished:

@@ -284,8 +284,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         def finish(outs: list[RequestOutput]) -> dict:
             out, calls = outs[0], reply_stream(tool_calls)
             items, c = OutputItems(text_only=calls is None), out.outputs[0]
-            logprobs = chat_logprobs(c, body.top_logprobs or 0)["content"] if body.logprobs else ()
             thought, text = reasoning.stream(out.prompt_token_ids).feed(c.text, True) if reasoning else ("", c.text)
+            thinking = reasoning.num_tokens(out.prompt_token_ids, c.token_ids) if reasoning else 0
+            logprobs = chat_logprobs(c, body.top_logprobs or 0, thinking)["content"] if body.logprobs else ()
             items.feed(plain(text) if calls is None else calls.feed(text, True), logprobs, thought)
             status = final_status(out)
             items.finish(status)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import json
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,7 +310,8 @@ class _LlamaRun(_Calls):
 
 
 def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
-    """``{"name": str, <one of args_keys>: object}`` as a call (arguments re-serialized), or None."""
+    """``{"name": str, <one of args_keys>: object}`` as a call (arguments re-serialized), or None
+    (also for arguments holding NaN or an infinity, which Python reads and JSON has not)."""
     try:
         obj = json.loads(text)
     except ValueError:
@@ -319,7 +321,10 @@ def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
     args = next((obj[k] for k in args_keys if k in obj), None)
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        return None
 
 
 class _PythonList:
@@ -368,13 +373,16 @@ class _PythonList:
 
 def _python_call(text: str) -> ToolCall | None:
     """``name(key=literal, ...)`` as a call, its keywords as a JSON object (vLLM's), or None: no
-    positional or ``**`` arguments, every value a literal that JSON can write."""
+    positional or ``**`` arguments, no keyword twice, every value a literal that JSON can write."""
     try:
-        node = ast.parse(text.strip(), mode="eval").body
+        with warnings.catch_warnings():  # (an invalid escape such as "\d" warns, and is a string)
+            warnings.simplefilter("ignore")
+            node = ast.parse(text.strip(), mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
-            or any(k.arg is None for k in node.keywords)):
+            or any(k.arg is None for k in node.keywords)
+            or len({k.arg for k in node.keywords}) < len(node.keywords)):
         return None
     try:
         args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
@@ -437,6 +445,7 @@ class ToolCallStream:
         self.llama, self.llama_next = _LlamaRun(), 0  # llama3_json: the run, the object to read next
         self.llama_call = None  # llama3_json: that object's call (an index, -1 over max_calls), once read
         self.llama_tail = 0  # llama3_json: the text after the run sent as content so far
+        self.pieces = False  # llama3_json, pythonic: a piece of content was sent (_piece)
         self.py_list, self.py_next = _PythonList(), 0  # pythonic: the list, the element to read next
         self.py_tail: int | None = None  # pythonic: the text after the list sent as content up to here
         self.array = _Calls(2, ("parameters",))  # required
@@ -543,14 +552,16 @@ class ToolCallStream:
                 self.llama_call = self._stream_call(self.llama_call, call[0], run.buf[call[1]:call[2]], u)
             if end is None:  # open: more to come, or cut short (what came of a call is the call)
                 if self.finished and call is None:
-                    self._content(run.buf[start:], u)
+                    self._piece(run.buf[start:], u)
                 return
             if call is None and not self._add_call(_call(run.buf[start:end], _LLAMA_KEYS), u):
-                self._content(run.buf[start:end], u)
+                self._piece(run.buf[start:end], u)
             self.llama_next, self.llama_call = self.llama_next + 1, None
-        if run.over is not None:
-            self.llama_tail = max(self.llama_tail, run.over)
-            self._content(run.buf[self.llama_tail:], u)
+        if run.over is not None:  # the text after the run: a piece of content, then more of it as it comes
+            if self.llama_tail < run.over:
+                self._piece(run.buf[run.over:], u)
+            else:
+                self._content(run.buf[self.llama_tail:], u)
             self.llama_tail = len(run.buf)
 
     def _reply_begun(self, piece: str, u: Update, opening: str, tag: str | None = None) -> bool:
@@ -570,6 +581,12 @@ class ToolCallStream:
                 return False
             self.lead = len(self.raw) - len(head) + skip
         return True
+
+    def _piece(self, text: str, u: Update) -> None:
+        """llama3_json, pythonic: a piece of content apart from the calls (an object or element that
+        is no call, the text after the run or list), a space between it and the piece before."""
+        self._content((" " if self.pieces else "") + text, u)
+        self.pieces = True
 
     def _all_content(self, u: Update) -> None:
         """llama3_json, pythonic: the reply is no calls, all content: what came so far goes out."""
@@ -598,16 +615,17 @@ class ToolCallStream:
         for start, end in lst.elements[self.py_next:]:
             text = lst.buf[start:end].strip()
             if text and not self._add_call(_python_call(text), u):
-                self._content(text, u)
+                self._piece(text, u)
         self.py_next = len(lst.elements)
         if lst.end is None:
-            if self.finished:  # cut short
-                self._content(lst.buf[lst.open:].lstrip(), u)
+            if self.finished and lst.buf[lst.open:].strip():  # cut short
+                self._piece(lst.buf[lst.open:].lstrip(), u)
             return
-        if self.py_tail is None and lst.buf[lst.end:].strip():
-            rest = lst.buf[lst.end:]
-            self.py_tail = lst.end + len(rest) - len(rest.lstrip())
-        if self.py_tail is not None:
+        if self.py_tail is None and lst.buf[lst.end:].strip():  # the text after the list: a piece of content
+            rest = lst.buf[lst.end:].lstrip()
+            self._piece(rest, u)
+            self.py_tail = len(lst.buf)
+        elif self.py_tail is not None:  # then more of it as it comes
             self._content(lst.buf[self.py_tail:], u)
             self.py_tail = len(lst.buf)
 

@@ -18,8 +18,9 @@ START, END = "<think>", "</think>"
 
 
 def reference_split(text: str, ended: bool) -> tuple[str, str]:
-    """vLLM's deepseek_r1 rule, written plainly: reasoning up to the first end tag (the first start
-    tag before it dropped), content after; no end tag: all reasoning."""
+    """The rule, written plainly: reasoning up to the first end tag (the first start tag before it
+    dropped), content after; no end tag: all reasoning. (vLLM's streamed deepseek_r1 split; its
+    whole-text one also drops the text before a start tag.)"""
     if ended:
         return "", text
     head, found, content = text.partition(END)
@@ -165,11 +166,14 @@ def test_a_response_has_a_reasoning_item_before_its_message(served, think, think
     kw = thinking(think, input="Where?", text={"format": {"type": "json_schema", "name": "city", "schema": {
         "type": "string", "enum": ["Paris", "Rome"]}}})
     kw["max_output_tokens"], kw["extra_body"]["logit_bias"] = kw.pop("max_tokens"), kw.pop("logit_bias")
+    kw.update(include=["message.output_text.logprobs"], top_logprobs=0)
     r = client.responses.create(model=MODEL, **kw).model_dump()
     reasoning, message = r["output"]
     x_text = think_engine_model.tokenizer.decode([300])
     assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": x_text}]
-    assert message["type"] == "message" and message["content"][0]["text"] in ('"Paris"', '"Rome"')
+    text = message["content"][0]
+    assert message["type"] == "message" and text["text"] in ('"Paris"', '"Rome"')
+    assert "".join(lp["token"] for lp in text["logprobs"]).startswith(text["text"])  # the answer's tokens only
     assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == 2  # X and </think>
     events = list(client.responses.create(model=MODEL, stream=True, **kw))
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]

@@ -174,11 +174,11 @@ def llama_replies(draw):
         return text, text, []
     key = draw(st.sampled_from(["parameters", "arguments"]))
     seps = st.sampled_from([";", "; ", " ;\n", ";\n\n"])
-    objects, content, expected = [], "", []
+    objects, content, expected = [], [], []
     for i, (name, args, name_last) in enumerate(calls):
         if i and draw(st.booleans()):
             objects.append(draw(st.sampled_from(LLAMA_NOT_CALLS)))
-            content += objects[-1]
+            content.append(objects[-1])
         objects.append(json.dumps({key: args, "name": name} if name_last else {"name": name, key: args}))
         expected.append({"name": name, "arguments": json.dumps(args)})
     text = draw(LLAMA_LEADS) + objects[0] + "".join(draw(seps) + o for o in objects[1:])
@@ -186,7 +186,7 @@ def llama_replies(draw):
                                  ' "x"', ";  \n", "; hello", " ; } {"]))
     rest = tail.lstrip()
     rest = rest[1:].lstrip() if rest.startswith(";") else rest  # (one ';' may follow the last object)
-    return text + tail, (content + rest).rstrip(), expected
+    return text + tail, " ".join(p for p in [*content, rest.rstrip()] if p), expected
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -254,16 +254,16 @@ def pythonic_replies(draw):
                                      *(f"[{e}]" for e in PY_NOT_CALLS), "Sure: [f(a=1)]"]))
         return text, text, []
     sep = draw(st.sampled_from([", ", ",", ",\n "]))
-    elements, content, expected = [], "", []
+    elements, content, expected = [], [], []
     for i, (name, args) in enumerate(calls):
         if i and draw(st.booleans()):
             elements.append(draw(st.sampled_from(PY_NOT_CALLS)))
-            content += elements[-1]
+            content.append(elements[-1])
         elements.append(f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")")
         expected.append({"name": name, "arguments": json.dumps(args, ensure_ascii=False)})
     text = draw(st.sampled_from(["", " ", "\n"])) + "[" + sep.join(elements) + draw(st.sampled_from(["", ",", " "]))
     tail = draw(st.sampled_from(["", " and some text", "\n\nDone.\n", " ]", ' "x"', "[g()]"]))
-    return text + "]" + tail, (content + tail.strip()).rstrip(), expected
+    return text + "]" + tail, " ".join(p for p in [*content, tail.strip()] if p), expected
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
