@@ -360,8 +360,8 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
                                                                    parallel_tool_calls=self.parallel_tool_calls)
         except ValueError as e:
             raise APIError(400, str(e), param="tools", code="invalid_value") from None
-        # vLLM's hermes parser reads its tags with special tokens left in the text.
-        skip = False if (choice.kind == "auto" and tool_call_parser == "hermes"
+        # vLLM's hermes and mistral parsers read their tags with special tokens left in the text.
+        skip = False if (choice.kind == "auto" and tool_call_parser in ("hermes", "mistral")
                          or reasoning is not None and reasoning.tags_special) else None
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")

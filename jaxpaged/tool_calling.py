@@ -15,7 +15,9 @@
   ``llama3_json`` (a reply that is ``{"name": ..., "parameters": {...}}`` objects, optionally
   after ``<|python_tag|>`` and separated by ``;``: Llama 3.1-3.3) or ``pythonic`` (a Python
   list of calls with literal keyword arguments, ``[get_weather(city="Paris"), f()]``: Llama
-  3.2, ToolACE);
+  3.2, ToolACE) or ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``,
+  Mistral-7B-Instruct-v0.3, Mistral-Nemo; or ``[TOOL_CALLS]name[ARGS]{...}`` per call, the newer
+  Mistral models);
 - ``"none"``: plain text.
 
 A :class:`ToolCallStream` turns a reply's text into content and tool calls as it grows; the
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import ast
 import json
+import secrets
+import string
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -34,11 +38,16 @@ from typing import Any
 
 from jaxpaged.input_processor import check_strings
 
-TOOL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 
 
 def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def mistral_tool_call_id() -> str:
+    """Mistral's chat templates take only ids of 9 letters and digits (vLLM makes such ids too)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 @dataclass(frozen=True)
@@ -309,6 +318,70 @@ class _LlamaRun(_Calls):
             self.over = i
 
 
+_MISTRAL_TAG = "[TOOL_CALLS]"
+
+
+class _ObjectEnd(_JsonScanner):
+    """A JSON object's text as it arrives: ``end``, the length of the object once it closed."""
+
+    def __init__(self):
+        super().__init__()
+        self.end: int | None = None
+
+    def _close(self, i: int, ch: str) -> None:
+        if self.level == 0 and self.end is None:
+            self.end = i + 1
+
+
+class _TaggedCalls:
+    """The newer Mistral calls, ``name[ARGS]{...}``, each after a ``[TOOL_CALLS]`` (the text fed
+    begins after the first), read as their text arrives: ``feed`` returns every call found so far
+    as ``[name, start, end]``, the span of its arguments object in the text (``end`` None while it
+    is open), as :class:`_Calls` does. A name with whitespace, arguments that are no object, or
+    anything but a tag after a call ends the calls."""
+
+    def __init__(self):
+        self.buf = ""
+        self.calls: list[list] = []
+        self.next: int | None = 0  # where the text still to read begins; None once the calls are over
+        self.args: _ObjectEnd | None = None  # the last call's arguments while they are open
+        self.need_tag = False  # a call ended: the next must follow a tag
+
+    def feed(self, piece: str) -> list[list]:
+        self.buf += piece
+        while self.next is not None:
+            if self.args is not None:
+                call = self.calls[-1]
+                self.args.feed(self.buf[call[1] + len(self.args.buf):])
+                if self.args.end is None:
+                    break
+                call[2] = self.next = call[1] + self.args.end
+                self.args, self.need_tag = None, True
+                continue
+            rest = self.buf[self.next:]
+            head = rest.lstrip()
+            if self.need_tag:
+                if head.startswith(_MISTRAL_TAG):
+                    self.next += len(rest) - len(head) + len(_MISTRAL_TAG)
+                    self.need_tag = False
+                    continue
+                if head and not _MISTRAL_TAG.startswith(head):
+                    self.next = None
+                break
+            j = rest.find("[ARGS]")
+            if j < 0:
+                break
+            name, args = rest[:j].strip(), rest[j + len("[ARGS]"):].lstrip()
+            if not name or any(c.isspace() for c in name) or args[:1] not in ("", "{"):
+                self.next = None
+            elif args:
+                self.calls.append([name, len(self.buf) - len(args), None])
+                self.args = _ObjectEnd()
+                continue
+            break
+        return self.calls
+
+
 def _call(text: str, args_keys: tuple[str, ...]) -> ToolCall | None:
     """``{"name": str, <one of args_keys>: object}`` as a call (arguments re-serialized), or None
     (also for arguments holding NaN or an infinity, which Python reads and JSON has not)."""
@@ -450,6 +523,8 @@ class ToolCallStream:
         self.py_tail: int | None = None  # pythonic: the text after the list sent as content up to here
         self.array = _Calls(2, ("parameters",))  # required
         self.raw = ""  # required / llama3_json: all text, for when no call is found
+        self.tagged: str | None = None  # mistral: the text after the first [TOOL_CALLS], once it came
+        self.mistral_calls: _Calls | _TaggedCalls | None = None  # mistral: what reads the calls in it
         self.finished = False
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
@@ -477,8 +552,10 @@ class ToolCallStream:
             self._required(piece, u)
         elif self.mode == "llama3_json":
             self._llama(piece, u)
-        else:
+        elif self.mode == "pythonic":
             self._pythonic(piece, u)
+        else:
+            self._mistral(piece, u)
         if finished:
             if not self.calls:  # whitespace that led nowhere is the reply's own
                 u.add_content(self.held_space)
@@ -492,6 +569,8 @@ class ToolCallStream:
         if call is None:
             return False
         if self.max_calls is None or len(self.calls) < self.max_calls:
+            if self.mode == "mistral":
+                call.id = mistral_tool_call_id()
             self.calls.append(call)
             i = len(self.calls) - 1
             u.add_call({**self._delta(i), "function": {"name": call.name, "arguments": call.arguments}})
@@ -628,6 +707,37 @@ class ToolCallStream:
         elif self.py_tail is not None:  # then more of it as it comes
             self._content(lst.buf[self.py_tail:], u)
             self.py_tail = len(lst.buf)
+
+    def _mistral(self, piece: str, u: Update) -> None:
+        """The text before ``[TOOL_CALLS]`` is content; after it, the calls: a JSON list (or one
+        object) of ``{"name", "arguments"}``, each sent once its name is read and its arguments
+        open, or ``name[ARGS]{...}`` each after a tag of its own, sent once its arguments open;
+        the arguments as written. What follows the calls is dropped; a reply with the tag and no
+        call is content without the tag (vLLM's)."""
+        if self.tagged is None:
+            self.pending += piece
+            i = self.pending.find(_MISTRAL_TAG)
+            if i < 0:
+                keep = 0 if self.finished else partial_suffix(self.pending, _MISTRAL_TAG)
+                self._content(self.pending[:len(self.pending) - keep], u)
+                self.pending = self.pending[len(self.pending) - keep:]
+                return
+            self._content(self.pending[:i], u)
+            self.tagged, self.pending = self.pending[i + len(_MISTRAL_TAG):], ""
+        else:
+            self.tagged += piece
+        body = self.tagged
+        if self.mistral_calls is None:
+            head = body.lstrip()
+            if head:
+                self.mistral_calls = _Calls(2 if head[0] == "[" else 1, ("arguments",)) if head[0] in "[{" \
+                    else _TaggedCalls()
+        if self.mistral_calls is not None:
+            for k, (name, start, end) in enumerate(self.mistral_calls.feed(body[len(self.mistral_calls.buf):])
+                                                   [:self.max_calls]):
+                self._stream_call(k if k < len(self.calls) else None, name, self.mistral_calls.buf[start:end], u)
+        if self.finished and not self.calls:
+            self._content(body, u)
 
     def _hermes(self, piece: str, u: Update) -> None:
         """Text outside ``<tool_call>`` blocks is content; a block's call goes out once its name

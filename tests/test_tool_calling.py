@@ -95,7 +95,7 @@ def run(mode: str, pieces: list[str], **kw) -> tuple[str, list[dict], ToolCallSt
         content += u.content
         for d in u.tool_calls:
             if d["index"] == len(calls):  # a call's first delta carries its id, type and name
-                assert d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
+                assert d["type"] == "function" and (d["id"].startswith("chatcmpl-tool-") or mode == "mistral")
                 calls.append({"id": d["id"], "name": d["function"]["name"], "arguments": ""})
             else:
                 assert d["index"] == len(calls) - 1 and set(d) == {"index", "function"}
@@ -273,6 +273,37 @@ def test_pythonic_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, 
     whole = run("pythonic", [text])[:2]
     assert run("pythonic", pieces_of(text, cuts))[:2] == whole
     assert whole == (content, calls)
+
+
+@st.composite
+def mistral_replies(draw):
+    """A Mistral reply: ``(text, its content, its calls)``: text, then ``[TOOL_CALLS]`` and the calls
+    as a JSON list or each as ``name[ARGS]{...}`` after a tag of its own, then text (dropped)."""
+    lead = draw(st.sampled_from(["", "Sure. ", "a [TOOL", "x\n"]))
+    calls = draw(st.lists(st.tuples(NAMES, ARGS), max_size=3))
+    tail = draw(st.sampled_from(["", " ", " junk", "[TOOL_CALLS]", " [ARGS]"]))
+    if not calls:  # the tag and no call: content without the tag; no tag: content
+        rest = draw(st.sampled_from(["", " not a call", "[1, 2]", "my name[ARGS]{}", "f[ARGS]5", "{\"a\": 1}"]))
+        tagged = draw(st.booleans())
+        return lead + ("[TOOL_CALLS]" if tagged else "") + rest, lead + rest, []
+    if draw(st.booleans()):  # Mistral-7B-Instruct-v0.3's list
+        body = json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    else:
+        body = "[TOOL_CALLS]".join(f"{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+    expected = [{"name": n, "arguments": json.dumps(a)} for n, a in calls]
+    return lead + "[TOOL_CALLS]" + body + tail, lead.rstrip(), expected
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(mistral_replies(), st.lists(st.integers(0, 200), max_size=8))
+def test_mistral_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cuts):
+    text, content, calls = reply
+    whole = run("mistral", [text])[:2]
+    assert run("mistral", pieces_of(text, cuts))[:2] == whole
+    assert whole == (content, calls)
+    s = ToolCallStream("mistral")
+    s.feed(text, True)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in s.calls)  # what Mistral's templates take
 
 
 def test_pythonic_calls_go_out_as_their_elements_end():
@@ -533,8 +564,8 @@ def test_auto_tool_choice_and_its_parser_go_together_on_the_command_line(capsys)
         assert e.value.code == 2
         assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        run(["--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
-    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+        run(["--enable-auto-tool-choice", "--tool-call-parser", "granite"])
+    assert "invalid choice: 'granite'" in capsys.readouterr().err
 
 
 # Each parser's reply forced with a regex (the random model would write none): a call, then text.
@@ -542,6 +573,8 @@ PARSED_REPLIES = {
     "llama3_json": r'<\|python_tag\|>\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome)", "unit": "C"\}\}'
                    r'; \{"name": "add", "parameters": \{"a": 1, "b": 3\}\} Done\.',
     "pythonic": r'\[get_weather\(city="(Paris|Rome)", unit="C"\), add\(a=1, b=3\)\] Done\.',
+    "mistral": r'Done\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)", "unit": "C"\}'
+               r'\[TOOL_CALLS\]add\[ARGS\]\{"a": 1, "b": 3\}',
 }
 
 
