@@ -36,8 +36,8 @@ from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
-from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
 from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
 from jaxpaged.scheduler import Scheduler

@@ -221,7 +221,8 @@ async def response_events(engine, stream: RequestStream, rid: str, created: int,
                 thought, text = split.feed(text, finished)
             update = plain(text) if calls is None else calls.feed(text, finished)
             thinking = reasoning.num_tokens(out.prompt_token_ids, c.token_ids) if reasoning is not None else 0
-            logprobs = chat_logprobs(c, body.top_logprobs or 0, max(first, thinking))["content"] if body.logprobs else ()
+            logprobs = (chat_logprobs(c, body.top_logprobs or 0, max(first, thinking))["content"]
+                        if body.logprobs else ())
             for event in items.feed(update, logprobs, thought):
                 yield sse_event(event, next(seq))
             if finished:

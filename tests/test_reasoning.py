@@ -36,8 +36,8 @@ def pieces_of(text: str, cuts: list[int]) -> list[str]:
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
-@given(st.lists(st.sampled_from(["a", " ", "\n", "<", "/", ">", "think", START, END, "<thi", "nk>", "</"]), max_size=12),
-       st.lists(st.integers(0, 60), max_size=8), st.booleans())
+@given(st.lists(st.sampled_from(["a", " ", "\n", "<", "/", ">", "think", START, END, "<thi", "nk>", "</"]),
+                max_size=12), st.lists(st.integers(0, 60), max_size=8), st.booleans())
 def test_a_reply_streamed_in_any_pieces_splits_as_the_whole_does(parts, cuts, ended):
     text = "".join(parts)
     reasoning, content = "", ""

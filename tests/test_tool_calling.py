@@ -238,7 +238,8 @@ def test_llama3_json_arguments_stream_as_they_come():
 
 PY_VALUES = st.recursive(st.one_of(st.integers(-5, 5), st.text("ab,)]}\"'\\ \né", max_size=6), st.booleans(),
                                    st.none(), st.floats(-2, 2, allow_nan=False)),
-                         lambda v: st.lists(v, max_size=2) | st.dictionaries(st.sampled_from(["k", "x,y"]), v, max_size=2),
+                         lambda v: st.lists(v, max_size=2)
+                         | st.dictionaries(st.sampled_from(["k", "x,y"]), v, max_size=2),
                          max_leaves=4)
 PY_NOT_CALLS = ["1", "f(1)", "x", "f(a=b)", "f(**k)", "f(a={1, 2})", "f(a=1e999)", "f.g(a=1)", "f(a=1)(b=2)"]
 
