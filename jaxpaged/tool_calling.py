@@ -11,13 +11,13 @@
   call's arguments are its ``parameters`` as written, streamed as they come;
 - ``"auto"`` (the default when ``tools`` are given): the reply is free and a *tool parser*
   for the model's own format (``--tool-call-parser``) finds the calls in it: ``hermes``
-  (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Hermes, Qwen, SmolLM3) or
+  (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Hermes, Qwen, SmolLM3),
   ``llama3_json`` (a reply that is ``{"name": ..., "parameters": {...}}`` objects, optionally
-  after ``<|python_tag|>`` and separated by ``;``: Llama 3.1-3.3) or ``pythonic`` (a Python
+  after ``<|python_tag|>`` and separated by ``;``: Llama 3.1-3.3), ``pythonic`` (a Python
   list of calls with literal keyword arguments, ``[get_weather(city="Paris"), f()]``: Llama
-  3.2, ToolACE) or ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``,
-  Mistral-7B-Instruct-v0.3, Mistral-Nemo; or ``[TOOL_CALLS]name[ARGS]{...}`` per call, the newer
-  Mistral models);
+  3.2, ToolACE) or ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``:
+  Mistral-7B-Instruct-v0.3, Mistral-Nemo; or ``[TOOL_CALLS]name[ARGS]{...}`` per call: the
+  newer Mistral models);
 - ``"none"``: plain text.
 
 A :class:`ToolCallStream` turns a reply's text into content and tool calls as it grows; the
