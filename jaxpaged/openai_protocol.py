@@ -269,6 +269,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[Any] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's reply to one
+    reasoning: str | None = None  # an assistant's earlier thinking (vLLM's field; reasoning_content before it)
+    reasoning_content: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -279,6 +281,9 @@ class ChatMessage(BaseModel):
                                code="unsupported_value")
             content = "".join(p.text or "" for p in content)
         extra = {k: getattr(self, k) for k in ("name", "tool_calls", "tool_call_id") if getattr(self, k) is not None}
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None:  # templates read either name
+            extra.update(reasoning=thought, reasoning_content=thought)
         return {"role": self.role, "content": content or "", **extra}
 
 
@@ -307,6 +312,7 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
     """``POST /v1/chat/completions``."""
 
     echo: bool = False  # vLLM's: the reply's content leads with the last message's, of the same role
+    include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's reasoning out of the reply
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -543,6 +549,8 @@ def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatComp
     for c in out.outputs:
         split = reasoning.stream(out.prompt_token_ids) if reasoning is not None else None
         message, reason = chat_message(c, tool_calls, req.reply_role(), split)
+        if not req.include_reasoning and "reasoning" in message:
+            message["reasoning"] = None
         if echo := req.echoed():
             message["content"] = echo + (message["content"] or "")
         choices.append({"index": c.index, "message": message,

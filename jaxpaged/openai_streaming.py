@@ -177,7 +177,7 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
                 if update.tool_calls:
                     delta["tool_calls"] = update.tool_calls
                 reason = s.finish_reason(reason)
-            if thought:
+            if thought and body.include_reasoning:
                 delta = {"reasoning": thought, **delta}
             if (not delta and reason is None and not body.logprobs
                     and (tool_calls is not None or reasoning is not None)):  # text held back (vLLM sends none)

@@ -66,6 +66,17 @@ def test_the_parser_needs_the_tags_as_tokens(think_engine_model, tiny_engine_mod
         LLM(tiny_engine_model, reasoning_parser="qwen9")
 
 
+def test_an_earlier_turns_reasoning_goes_to_the_template_under_both_names():
+    from jaxpaged.openai_protocol import ChatCompletionRequest
+
+    for key in ("reasoning", "reasoning_content"):
+        req = ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", key: "they greet"},
+            {"role": "user", "content": "Bye"}]})
+        turn = req.conversation()[1]
+        assert turn["reasoning"] == turn["reasoning_content"] == "they greet" and turn["content"] == "Hello"
+
+
 # ---- the engine: the grammar starts after the reasoning ------------------------------------------
 
 ENGINE = dict(max_num_seqs=8, num_blocks=256, block_size=16)
@@ -152,6 +163,12 @@ def test_a_chat_reply_comes_as_reasoning_and_content_streamed_or_whole(served, t
         reasoning += delta.get("reasoning") or ""
         content += delta["content"] or ""
     assert (reasoning, content) == (message["reasoning"], message["content"])
+    # include_reasoning=false (vLLM's): the reasoning left out, the content the same.
+    kw["extra_body"]["include_reasoning"] = False
+    hidden = client.chat.completions.create(model=MODEL, **kw).choices[0].message.model_dump()
+    assert hidden["reasoning"] is None and hidden["content"] == message["content"]
+    chunks = [c.choices[0].delta.model_dump() for c in client.chat.completions.create(model=MODEL, stream=True, **kw)]
+    assert not any(d.get("reasoning") for d in chunks) and "".join(d["content"] or "" for d in chunks) == content
     # A required tool choice: the calls after the reasoning.
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}}}
