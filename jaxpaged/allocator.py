@@ -37,6 +37,9 @@ class KVAllocator(Protocol):
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats: ...
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing forgotten) while blocks are in use."""
+
     def check_fits(self, num_tokens: int, num_seqs: int = 1, *, final: bool = False) -> None:
         """Raise ``ValueError`` (naming the limit) if ``num_seqs`` sequences of ``num_tokens``
         tokens plus one generated token (none if ``final``: they sample their last token from

@@ -162,6 +162,7 @@ class AsyncLLM:
         self._adds: list[tuple[Request, RequestStream]] = []
         self._tokenizing = 0  # requests on the tokenizer thread: they count as waiting
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # run between steps
         self._streams: dict[str, RequestStream] = {}
         self._stats = SchedulerStats(num_blocks=llm.bm.stats().num_blocks)
         self._stopping = False
@@ -287,6 +288,19 @@ class AsyncLLM:
             async for out in stream:
                 yield out
 
+    async def reset_prefix_cache(self) -> bool:
+        """:meth:`LLM.reset_prefix_cache <jaxpaged.LLM.reset_prefix_cache>` on the engine thread,
+        between two steps: False while requests hold blocks."""
+        return await self._on_engine_thread(self.llm.reset_prefix_cache)
+
+    async def _on_engine_thread(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._check_alive()
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         """Stop a request: its blocks are freed and its stream gets nothing more. Thread-safe."""
         with self._cond:
@@ -320,12 +334,13 @@ class AsyncLLM:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stopping or self._adds or self._aborts
+                    self._cond.wait_for(lambda: self._stopping or self._adds or self._aborts or self._calls
                                         or core.has_unfinished())
                     if self._stopping:
                         break
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                     self._stats = dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + len(adds))
                 for req, stream in adds:  # before the aborts: an abort may name a request just added
                     try:
@@ -336,6 +351,11 @@ class AsyncLLM:
                         _deliver_threadsafe(stream.loop, [(stream, e)])
                 for rid in aborts:
                     core.abort(rid)
+                for fn, future in calls:
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # the caller's to see
+                        future.set_exception(e)
                 changed = core.step() if core.has_unfinished() else []
                 self._publish(changed)
         except BaseException as e:  # the engine is unusable: fail every stream, free what we can
@@ -398,6 +418,9 @@ class AsyncLLM:
             adds, self._adds = self._adds, []
             streams, self._streams = self._streams, {}
             self._aborts.clear()
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(EngineDeadError("the engine stopped"))
         for req, _ in adds:
             self.llm.scheduler.abort(req)  # never admitted: just mark it finished
         aborted = [core.requests[rid] for rid in list(core.requests)]

@@ -495,6 +495,11 @@ class BlockManager:
     def num_free_host_blocks(self) -> int:
         return len(self._host_free)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (:meth:`BlockPool.reset_prefix_cache`); False while any
+        sequence holds blocks."""
+        return self.pool.reset_prefix_cache()
+
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return dataclasses.replace(self.pool.stats)

@@ -283,6 +283,18 @@ class BlockPool:
         self.cached[block_hash] = block
         return block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's, for when the weights changed): the cached blocks
+        become plain free ones. False, and nothing forgotten, while any block is in use."""
+        if self.num_used:
+            return False
+        for block in self.cached.values():
+            block.block_hash = block.key = None
+            block.generation += 1
+        self.cached.clear()
+        self.num_cached_free = 0
+        return True
+
     def check_invariants(self, refs: Sequence[int]) -> None:
         """Check the pool against ``refs[block_id]``: block-table entries counted by the caller.
 

@@ -235,6 +235,9 @@ class ContiguousBlockManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats()
 
+    def reset_prefix_cache(self) -> bool:
+        return True  # (no prefix cache)
+
     def stats(self) -> MemoryStats:
         """Memory accounting: every reserved slot counts as allocated."""
         tokens = sum(s.num_tokens for s in self._seqs.values())

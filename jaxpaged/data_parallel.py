@@ -77,6 +77,10 @@ class DataParallelKV:
         stats = [p.prefix_cache_stats for p in self.parts]
         return PrefixCacheStats(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(PrefixCacheStats)))
 
+    def reset_prefix_cache(self) -> bool:
+        """Each replica's (one whose blocks are in use keeps its cache); True when all forgot."""
+        return all([p.reset_prefix_cache() for p in self.parts])
+
     def stats(self) -> MemoryStats:
         stats = [p.stats() for p in self.parts]
         summed = {f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(MemoryStats)}

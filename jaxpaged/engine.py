@@ -221,6 +221,12 @@ class LLM:
 
     # ---- requests and the step ------------------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's; e.g. after the weights changed in place), so no
+        later request reuses K/V computed before. False, and nothing forgotten, while requests
+        hold blocks: call it between ``generate`` calls (:class:`~jaxpaged.AsyncLLM` has its own)."""
+        return self.bm.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters of a request that gives none (vLLM's): jaxpaged's defaults with what
         the model's generation config sets (``generation_config``)."""

@@ -34,6 +34,34 @@ async def _collect(engine, prompt, params, request_id=None):
     return outs
 
 
+def test_reset_prefix_cache_between_steps(llm):
+    """The offline engine's and the async engine's: refused while a request holds blocks; after
+    it, a repeated prompt hits nothing and gets the same tokens."""
+    prompt = "word " * 70  # (over a block of 64 tokens: a prefix to cache)
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and llm.reset_prefix_cache()
+    fresh = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
+    engine = AsyncLLM(llm)
+    try:
+        async def main():
+            stream = engine.add_request(prompt, LONG)
+            first_out = await anext(stream)  # running: it holds blocks
+            refused = await engine.reset_prefix_cache()
+            engine.abort(stream.request_id)
+            await _collect(engine, prompt, GREEDY)
+            return first_out, refused, await engine.reset_prefix_cache()
+
+        first_out, refused, done = run(main())
+    finally:
+        engine.shutdown()
+    assert first_out.outputs[0].token_ids and not refused and done
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+    with pytest.raises(EngineDeadError):
+        run(engine.reset_prefix_cache())
+
+
 def test_concurrent_requests_get_their_own_tokens(llm, reference):
     engine = AsyncLLM(llm)
     try:

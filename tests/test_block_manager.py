@@ -255,6 +255,25 @@ def test_released_blocks_stay_cached_until_evicted():
     bm.check_invariants()
 
 
+def test_reset_prefix_cache_forgets_the_cached_blocks_once_none_is_in_use():
+    bm = BlockManager(32, BS)
+    prompt, other = list(range(9)), list(range(50, 59))
+    computed(bm, "a", prompt)
+    computed(bm, "b", other)
+    bm.free("a")
+    assert not bm.reset_prefix_cache()  # "b" holds blocks: nothing forgotten
+    assert computed(bm, "a2", prompt) == 8
+    bm.free("a2")
+    bm.free("b")
+    assert bm.stats().num_cached_blocks == 4 and bm.reset_prefix_cache()
+    st_ = bm.stats()
+    assert (st_.num_cached_blocks, st_.num_free_blocks, st_.num_used_blocks) == (0, 31, 0)
+    bm.check_invariants()
+    assert computed(bm, "c", prompt) == 0 and computed(bm, "d", other) == 0  # no hit: recomputed
+    bm.check_invariants()
+    assert ContiguousBlockManager(8, BS, max_model_len=16).reset_prefix_cache()
+
+
 def test_eviction_is_lru_tail_first_after_free_blocks_are_used_up():
     bm = BlockManager(9, BS, watermark=0)  # 8 usable blocks
     a, b = list(range(100, 113)), list(range(200, 213))  # 4 blocks each, the first 3 full and cached
