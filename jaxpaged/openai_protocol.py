@@ -95,6 +95,7 @@ class OpenAIRequest(BaseModel):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>" (None: the server's)
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids beside the text
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Any = None
     structured_outputs: Any = None
@@ -516,7 +517,9 @@ def completion_response(request_id: str, model: str, outputs: list[RequestOutput
                                                  as_ids=bool(req.return_tokens_as_token_ids))
                              if req.logprobs is not None else None),
                 "finish_reason": FINISH_REASONS.get(c.finish_reason), "stop_reason": c.stop_reason,
-                **({"prompt_logprobs": prompt_logprobs(o)} if o.prompt_logprobs is not None else {})})
+                **({"prompt_logprobs": prompt_logprobs(o)} if o.prompt_logprobs is not None else {}),
+                **({"prompt_token_ids": list(o.prompt_token_ids),
+                    "token_ids": [] if req.echo_only else list(c.token_ids)} if req.return_token_ids else {})})
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outputs, echo_only=req.echo_only)}
 
@@ -556,9 +559,12 @@ def chat_response(request_id: str, model: str, out: RequestOutput, req: ChatComp
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c, req.top_logprobs or 0, as_ids=bool(req.return_tokens_as_token_ids))
                         if req.logprobs else None,
-                        "finish_reason": reason, "stop_reason": c.stop_reason})
+                        "finish_reason": reason, "stop_reason": c.stop_reason,
+                        **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})})
     body = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage([out])}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(out.prompt_token_ids)
     if out.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(out)
     return body

@@ -102,6 +102,7 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
     deltas = _Deltas(held)
     echoed: set[int] = set()
     offsets: dict[int, int] = {}  # where each choice's next logprob token's text_offset starts
+    started: set[int] = set()  # choices whose first chunk went out (return_token_ids: the prompt's ids)
 
     def make_chunks(i: int, out: RequestOutput):
         for c in out.outputs:
@@ -125,10 +126,15 @@ def completion_events(engine, rid: str, model: str, streams, body: CompletionReq
                                                echo=out if echo else None, decode=decode)
                 if logprobs["tokens"]:  # offsets run on as in the whole response's logprobs
                     offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            yield chunk(rid, model, "completion", [{
-                "index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
-                choice_usage(out, None if body.echo_only else c) if body.continuous_usage else None)
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:  # vLLM's: the prompt's ids in a choice's first chunk, then each new token's
+                if index not in started:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = [] if body.echo_only else list(c.token_ids[first:])
+            started.add(index)
+            yield chunk(rid, model, "completion", [choice],
+                        choice_usage(out, None if body.echo_only else c) if body.continuous_usage else None)
 
     final = None
     if body.include_usage:
@@ -151,9 +157,13 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
         for c in out.outputs:
             if c.index not in started:  # OpenAI's first delta of a choice carries the role
                 started.add(c.index)
-                yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"role": body.reply_role(), "content": ""},
-                                                  "logprobs": None, "finish_reason": None}],
-                            choice_usage(out, None) if body.continuous_usage else None)
+                first_chunk = chunk(rid, model, "chat", [{"index": c.index, "delta": {"role": body.reply_role(),
+                                                                                       "content": ""},
+                                                          "logprobs": None, "finish_reason": None}],
+                                    choice_usage(out, None) if body.continuous_usage else None)
+                if body.return_token_ids:  # vLLM's: the prompt's ids in the first chunk
+                    first_chunk["prompt_token_ids"] = list(out.prompt_token_ids)
+                yield first_chunk
                 if echo := body.echoed():
                     yield chunk(rid, model, "chat", [{"index": c.index, "delta": {"content": echo},
                                                       "logprobs": None, "finish_reason": None}],
@@ -179,15 +189,16 @@ def chat_events(engine, rid: str, model: str, stream, body: ChatCompletionReques
                 reason = s.finish_reason(reason)
             if thought and body.include_reasoning:
                 delta = {"reasoning": thought, **delta}
-            if (not delta and reason is None and not body.logprobs
+            if (not delta and reason is None and not body.logprobs and not body.return_token_ids
                     and (tool_calls is not None or reasoning is not None)):  # text held back (vLLM sends none)
                 continue
-            yield chunk(rid, model, "chat", [{
-                "index": c.index, "delta": delta,
-                "logprobs": chat_logprobs(c, body.top_logprobs or 0, first, bool(body.return_tokens_as_token_ids))
-                if body.logprobs else None,
-                "finish_reason": reason, "stop_reason": c.stop_reason}],
-                choice_usage(out, c) if body.continuous_usage else None)
+            choice = {"index": c.index, "delta": delta,
+                      "logprobs": chat_logprobs(c, body.top_logprobs or 0, first, bool(body.return_tokens_as_token_ids))
+                      if body.logprobs else None,
+                      "finish_reason": reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:  # the new tokens' ids
+                choice["token_ids"] = list(c.token_ids[first:])
+            yield chunk(rid, model, "chat", [choice], choice_usage(out, c) if body.continuous_usage else None)
 
     final = (lambda outs: chunk(rid, model, "chat", [], usage(outs))) if body.include_usage else None
     return _events(engine, [stream], make_chunks, final)

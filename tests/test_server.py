@@ -241,6 +241,36 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, path
         assert not any("usage" in e for e in sse(r.iter_lines())[:-1])
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPTS[0], "n": 2, "temperature": 0.8, "seed": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "temperature": 0.8, "seed": 1}),
+])
+def test_token_ids_come_back_with_the_text_when_asked(http, offline, path, body):
+    """vLLM's ``return_token_ids``: the prompt's ids, and each choice's; streamed, the prompt's in
+    the first chunk (a choice's, for completions) and each chunk's new tokens, which add up."""
+    body = {**body, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    whole = http.post(path, json=body).json()
+    chat = path.endswith("chat/completions")
+    prompt = whole["prompt_token_ids"] if chat else whole["choices"][0]["prompt_token_ids"]
+    assert prompt == (offline.chat_prompt(CHAT)["prompt_token_ids"] if chat else
+                      offline.inputs.to_token_ids(PROMPTS[0])[1])
+    ids = {c["index"]: c["token_ids"] for c in whole["choices"]}
+    assert all(len(t) == 6 for t in ids.values())
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        events = sse(r.iter_lines())[:-1]
+    streamed, prompts = {0: [], 1: []}, []
+    for e in events:
+        if chat and "prompt_token_ids" in e:
+            prompts.append(e["prompt_token_ids"])
+        for c in e["choices"]:
+            streamed[c["index"]] += c.get("token_ids") or []
+            if "prompt_token_ids" in c:
+                prompts.append(c["prompt_token_ids"])
+    assert streamed == ids and prompts == [prompt, prompt]  # (once for each of the two choices)
+    plain = http.post(path, json={**body, "return_token_ids": None}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings(client, offline, stream):
     base = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
