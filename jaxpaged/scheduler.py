@@ -325,9 +325,11 @@ class Scheduler:
                 continue
             if not reserved:
                 continue  # req was preempted or finished; running[i] is the next one
+            first = len(out.scheduled)
             budget -= self._add(out, req, plan)
             if self.speculative_config is not None:
-                budget -= self._speculate(out.scheduled[-1], budget, out)
+                for s in out.scheduled[first:]:  # each of the request's sequences
+                    budget -= self._speculate(s, budget, out)
             i += 1
         out.speculates = self.speculative_config is not None and any(map(self._may_speculate, out.scheduled))
         for s in out.scheduled:
@@ -388,10 +390,10 @@ class Scheduler:
         return len(draft)
 
     def _may_speculate(self, s: ScheduledSeq) -> bool:
-        """Whether the chunk ``s`` samples for a request that speculates (one sequence, no beam
+        """Whether the chunk ``s`` samples one row for a request that speculates (any but beam
         search) while the batch is small enough."""
         spec, req = self.speculative_config, s.seq.request
-        return (spec is not None and s.num_samples == 1 and req.max_live_seqs == 1 and not req.is_beam_search
+        return (spec is not None and s.num_samples == 1 and not req.is_beam_search
                 and (spec.disable_by_batch_size is None or len(self.running) < spec.disable_by_batch_size))
 
     def _waits_for_tokens(self, req: Request, live: list[Sequence]) -> bool:
@@ -410,11 +412,17 @@ class Scheduler:
 
     @staticmethod
     def _plan(req: Request, live: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
-        """Next tokens of ``req``'s running sequences ``live``, so that all of them reach a common
-        end position: the next token to sample, or the position of the next pending fork."""
-        stop = req.pending_forks[0][0] if req.pending_forks else live[0].num_tokens
-        end = min(stop, min(s.num_computed_tokens for s in live) + budget // len(live))
-        return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live if end > s.num_computed_tokens]
+        """Next tokens of ``req``'s running sequences ``live``: up to the position of the next
+        pending fork, where they all stop, or else each up to its own next token to sample (a
+        request's samples differ in length where drafts were accepted), within an even share of
+        ``budget``."""
+        share = budget // len(live)
+        if req.pending_forks:
+            end = min(req.pending_forks[0][0], min(s.num_computed_tokens for s in live) + share)
+            return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live
+                    if end > s.num_computed_tokens]
+        return [(s, s.num_computed_tokens, min(s.num_tokens, s.num_computed_tokens + share) - s.num_computed_tokens)
+                for s in live if s.num_tokens > s.num_computed_tokens and share > 0]
 
     def _num_forks(self, req: Request, plan=None) -> int:
         """Forks ``req``'s samples make when ``plan`` runs (if its chunk reaches a token to
@@ -714,44 +722,47 @@ class Scheduler:
         tokens, logprobs, ranks = (x.tolist() for x in (sampled.tokens, sampled.logprobs, sampled.ranks)) \
             if sampled is not None else ((), (), ())
         for req, entries in itertools.groupby(out.scheduled, key=lambda s: s.seq.request):
-            rows, drafted = [], None
+            runs, forks = [], False  # each sequence and the rows it keeps
             for s in entries:
                 if s.seq.finished:
                     self.num_dropped_tokens += s.num_rows
-                else:
-                    rows += [(s.seq, row + k) for k in range(s.num_rows)]
-                    drafted = s if s.draft else None
+                    row += s.num_rows
+                    continue
+                kept = list(range(row, row + s.num_rows))
+                if s.draft:  # one row per position: keep the drafts sampled there
+                    accepted = 0
+                    while accepted < len(s.draft) and tokens[row + accepted] == s.draft[accepted]:
+                        accepted += 1
+                    self.num_drafts += 1
+                    self.num_draft_tokens += len(s.draft)
+                    self.num_accepted_tokens += accepted
+                    # K/V holds the last token and the accepted drafts; the rejected ones' slots are
+                    # written again by the next step (they stay reserved).
+                    s.seq.num_computed_tokens = s.start + 1 + accepted
+                    kept = kept[:accepted + 1]
+                    s.seq.num_pending += accepted  # _append counts one pending token off per token
+                forks |= s.num_samples > 1  # the first token of n > 1: n rows of one sequence
+                if kept:  # (none mid-prompt)
+                    runs.append((s.seq, kept))
                 row += s.num_rows
-            if not rows:
+            if not runs:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            if drafted is not None:  # one sequence, one row per position: keep the drafts sampled there
-                seq, first = drafted.seq, rows[0][1]
-                accepted = 0
-                while accepted < len(drafted.draft) and tokens[first + accepted] == drafted.draft[accepted]:
-                    accepted += 1
-                self.num_drafts += 1
-                self.num_draft_tokens += len(drafted.draft)
-                self.num_accepted_tokens += accepted
-                # K/V holds the last token and the accepted drafts; the rejected ones' slots are
-                # written again by the next step (they stay reserved).
-                seq.num_computed_tokens = drafted.start + 1 + accepted
-                rows = rows[:accepted + 1]
-                seq.num_pending += accepted  # _append counts one pending token off per token
             if req.is_beam_search:
-                self._step_beams(req, rows, sampled)
+                self._step_beams(req, [(seq, i) for seq, kept in runs for i in kept], sampled)
                 continue
-            if drafted is None and len(rows) > 1 and rows[0][0] is rows[1][0]:  # the first token of n > 1: fork
-                parent = rows[0][0]
-                req.seqs = [parent] + [self._fork(parent, k) for k in range(1, len(rows))]
-                rows = [(seq, i) for seq, (_, i) in zip(req.seqs, rows)]
-            for seq, i in rows:
-                if seq.finished:  # a stop among a sequence's accepted drafts: the rest are dropped
-                    seq.num_pending = 0
-                    break
-                self._append(seq, tokens[i], logprobs[i],
-                             self._entry(req, sampled, i, tokens[i], ranks[i], logprobs[i]))
+            if forks:
+                (parent, kept), = runs
+                req.seqs = [parent] + [self._fork(parent, k) for k in range(1, len(kept))]
+                runs = [(seq, [i]) for seq, i in zip(req.seqs, kept)]
+            for seq, kept in runs:
+                for i in kept:
+                    if seq.finished:  # a stop among the sequence's accepted drafts: the rest are dropped
+                        seq.num_pending = 0
+                        break
+                    self._append(seq, tokens[i], logprobs[i],
+                                 self._entry(req, sampled, i, tokens[i], ranks[i], logprobs[i]))
             if not req.live_seqs():
                 self._finish(req)
         return list(touched.values())

@@ -18,9 +18,10 @@ draft ``x`` is kept with probability ``p(x)``, and when it is not, the token dra
 follows ``p`` without ``x``. So outputs, greedy or seeded, are the tokens decoding one at a
 time gives, up to float32 rounding between a one-token step and a several-token one.
 
-Which requests speculate (the others decode as before, in the same steps): one sequence
-(``n == 1``, no beam search), and only while decoding with its last token known on the
-host. Penalties at a draft's position count the drafts before it as output tokens, as
+Which requests speculate (the others decode as before, in the same steps): all but beam
+search, each sample of ``n > 1`` on its own (the samples' lengths part where drafts are
+kept; the scheduler plans each to its own next token), and only while decoding with its last
+token known on the host. Penalties at a draft's position count the drafts before it as output tokens, as
 decoding one at a time would have; a structured output's drafts stop where its grammar
 refuses one, and each draft's row is masked by the grammar's state after the drafts before
 it (a forked matcher). A
