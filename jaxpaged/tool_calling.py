@@ -601,10 +601,28 @@ class ToolCallStream:
         """Each object of the constrained array a call, its ``parameters`` as written. A reply with
         no call is content."""
         self.raw += piece
-        for k, (name, start, end) in enumerate(self.array.feed(piece)[:self.max_calls]):
-            self._stream_call(k if k < len(self.calls) else None, name, self.array.buf[start:end], u)
+        self._stream_calls(self.array, piece, u)
         if self.finished and not self.calls:
             u.add_content(self.raw)
+
+    def _stream_calls(self, reader: _Calls | _TaggedCalls, piece: str, u: Update) -> None:
+        """Feed ``piece`` to ``reader``; each call it has found so far (up to ``max_calls``)
+        added, or what its arguments gained sent."""
+        for k, (name, start, end) in enumerate(reader.feed(piece)[:self.max_calls]):
+            self._stream_call(k if k < len(self.calls) else None, name, reader.buf[start:end], u)
+
+    def _content_to(self, tag: str, u: Update) -> bool:
+        """Send ``self.pending`` as content up to ``tag`` (an end that may begin it is held back
+        until the reply ends); True once the tag came, ``self.pending`` then what follows it."""
+        i = self.pending.find(tag)
+        if i < 0:
+            keep = 0 if self.finished else partial_suffix(self.pending, tag)
+            self._content(self.pending[:len(self.pending) - keep], u)
+            self.pending = self.pending[len(self.pending) - keep:]
+            return False
+        self._content(self.pending[:i], u)
+        self.pending = self.pending[i + len(tag):]
+        return True
 
     def _llama(self, piece: str, u: Update) -> None:
         """A reply whose first object (after whitespace and ``<|python_tag|>``) is a call is
@@ -716,14 +734,9 @@ class ToolCallStream:
         call is content without the tag (vLLM's)."""
         if self.tagged is None:
             self.pending += piece
-            i = self.pending.find(_MISTRAL_TAG)
-            if i < 0:
-                keep = 0 if self.finished else partial_suffix(self.pending, _MISTRAL_TAG)
-                self._content(self.pending[:len(self.pending) - keep], u)
-                self.pending = self.pending[len(self.pending) - keep:]
+            if not self._content_to(_MISTRAL_TAG, u):
                 return
-            self._content(self.pending[:i], u)
-            self.tagged, self.pending = self.pending[i + len(_MISTRAL_TAG):], ""
+            self.tagged, self.pending = self.pending, ""
         else:
             self.tagged += piece
         body = self.tagged
@@ -733,9 +746,7 @@ class ToolCallStream:
                 self.mistral_calls = _Calls(2 if head[0] == "[" else 1, ("arguments",)) if head[0] in "[{" \
                     else _TaggedCalls()
         if self.mistral_calls is not None:
-            for k, (name, start, end) in enumerate(self.mistral_calls.feed(body[len(self.mistral_calls.buf):])
-                                                   [:self.max_calls]):
-                self._stream_call(k if k < len(self.calls) else None, name, self.mistral_calls.buf[start:end], u)
+            self._stream_calls(self.mistral_calls, body[len(self.mistral_calls.buf):], u)
         if self.finished and not self.calls:
             self._content(body, u)
 
@@ -748,14 +759,8 @@ class ToolCallStream:
         self.pending += piece
         while True:
             if not self.in_call:
-                i = self.pending.find(start)
-                if i < 0:
-                    keep = 0 if self.finished else partial_suffix(self.pending, start)
-                    self._content(self.pending[:len(self.pending) - keep], u)
-                    self.pending = self.pending[len(self.pending) - keep:]
+                if not self._content_to(start, u):
                     return
-                self._content(self.pending[:i], u)
-                self.pending = self.pending[i + len(start):]
                 self.in_call = True
                 self.block, self.block_call = _Calls(1, ("arguments",)), None
             j = self.pending.find(end, len(self.block.buf))  # (the tags in what the block read are its text)
