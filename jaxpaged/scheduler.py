@@ -412,13 +412,15 @@ class Scheduler:
 
     @staticmethod
     def _plan(req: Request, live: list[Sequence], budget: int) -> list[tuple[Sequence, int, int]]:
-        """Next tokens of ``req``'s running sequences ``live``: up to the position of the next
-        pending fork, where they all stop, or else each up to its own next token to sample (a
-        request's samples differ in length where drafts were accepted), within an even share of
-        ``budget``."""
+        """Next tokens of ``req``'s running sequences ``live``, within an even share of ``budget``:
+        all of them up to a common end where they must stop together (the position of the next
+        pending fork; for beam search the next token, since one beam step ranks every beam's
+        candidates), or else each up to its own next token to sample (a request's samples differ
+        in length where drafts were accepted)."""
         share = budget // len(live)
-        if req.pending_forks:
-            end = min(req.pending_forks[0][0], min(s.num_computed_tokens for s in live) + share)
+        if req.pending_forks or req.is_beam_search:
+            stop = req.pending_forks[0][0] if req.pending_forks else live[0].num_tokens
+            end = min(stop, min(s.num_computed_tokens for s in live) + share)
             return [(s, s.num_computed_tokens, end - s.num_computed_tokens) for s in live
                     if end > s.num_computed_tokens]
         return [(s, s.num_computed_tokens, min(s.num_tokens, s.num_computed_tokens + share) - s.num_computed_tokens)
@@ -817,6 +819,8 @@ class Scheduler:
 
     def _step_beams(self, req: Request, rows: list[tuple[Sequence, int]], sampled: SampledRows) -> None:
         beam, k = req.beam, 2 * req.beam.width
+        # Every beam samples in the same step (_plan): one left out would be dropped unfreed.
+        assert len(rows) == len(req.live_seqs()), f"request {req.request_id}: {len(rows)} of its beams sampled"
         for seq, _ in rows:
             seq.num_pending -= 1
         cands = beam.top_candidates([(seq, sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())

@@ -227,6 +227,14 @@ def test_random_traffic_with_the_paging_oracle(tiny_engine_model):
         assert t[key] > 0, (key, t)
 
 
+def test_beams_recomputed_after_a_preemption_sample_together(tiny_engine_model):
+    """Round 70003 (a long oracle run found it): a beam search request preempted by recompute forks
+    its beams again on readmission, the child starting behind its parent. Planned each to its own
+    next token (as samples are since drafts came to n > 1), the parent sampled alone, and the beam
+    step dropped the child from the request without freeing its blocks: 10 blocks leaked."""
+    run_rounds(tiny_engine_model, oracle=True, rounds=range(70003, 70004), num_requests=ORACLE_REQUESTS)
+
+
 def test_random_traffic_with_a_budget_of_five_compiled_programs(small_vocab_engine_model, monkeypatch):
     """The model tier with the process's compiled programs bounded to five (``runner.BUDGET``;
     a long-lived engine's least recently used step, sampler and block-move programs are freed
