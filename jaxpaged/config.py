@@ -16,6 +16,10 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+# The ``model_type``s whose checkpoints load (and any architecture named ``*Llama*``).
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -32,6 +36,10 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen2's q/k/v projections carry a bias (its o_proj none); Qwen3 normalises each query and
+    # key head (RMSNorm over head_dim, before RoPE). Otherwise the same decoder as Llama's.
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -45,16 +53,29 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
-        """Build from a ``config.json`` dict of a Llama-architecture model."""
+        """Build from a ``config.json`` dict of a Llama-architecture model: Llama, Mistral,
+        Qwen2 (q/k/v biases) or Qwen3 (q/k norms), all layers full attention."""
         archs = d.get("architectures") or []
         model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", "mistral") and not any("Llama" in a for a in archs):
-            raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures={archs}")
+        if model_type not in MODEL_TYPES and not any("Llama" in a for a in archs):
+            raise ValueError(f"unsupported architecture: model_type={model_type!r}, architectures={archs} "
+                             f"(supported: {', '.join(MODEL_TYPES)})")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (Llama uses 'silu')")
+        # Qwen2's q/k/v always have biases (its config has no attention_bias key). attention_bias
+        # (Llama, Qwen3) would put one on o_proj too: not supported.
         for bias in ("attention_bias", "mlp_bias"):
             if d.get(bias):
-                raise ValueError(f"unsupported {bias}=True (Llama projections have no bias)")
+                raise ValueError(f"unsupported {bias}=True ({model_type}'s projections have no bias here)")
+        if d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or ()):
+            raise ValueError(f"unsupported sliding-window attention (use_sliding_window="
+                             f"{d.get('use_sliding_window')}, layer_types={d.get('layer_types')}): "
+                             "only full attention in every layer")
+        max_positions = int(d.get("max_position_embeddings", 2048))
+        if model_type == "mistral" and d.get("sliding_window"):
+            # Mistral-7B-v0.1: every layer sees the last 4,096 keys. Within the window that is
+            # full attention, so the model runs exactly up to it and no further.
+            max_positions = min(max_positions, int(d["sliding_window"]))
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         scaling = None
@@ -87,9 +108,11 @@ class LlamaConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
         )
 
     @classmethod

@@ -3,8 +3,9 @@ time), and the tokenizer.
 
 Everything is handed over in Hugging Face terms (``config.json`` keys, ``model.layers.{i}...``
 parameter names, ``[out_features, in_features]`` matrices), so the rest of jaxpaged has one
-checkpoint format to convert from. Only the ``llama`` architecture and the byte-level BPE
-(``gpt2``) tokenizer are supported; anything else raises rather than loading half a model.
+checkpoint format to convert from. The ``llama``, ``qwen2`` and ``qwen3`` architectures and the
+byte-level BPE (``gpt2``) tokenizer are supported; anything else raises rather than loading half
+a model.
 
 Imports numpy and gguf only; ``transformers`` is imported when a tokenizer is built. No torch.
 """
@@ -38,6 +39,15 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# What Qwen2 and Qwen3 add to each layer (the pairs of gguf.get_tensor_name_map(MODEL_ARCH.QWEN2 /
+# QWEN3, n), with their suffixes).
+ARCH_LAYER_TENSORS = {
+    "llama": {},
+    "qwen2": {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+              "attn_v.bias": "self_attn.v_proj.bias"},
+    "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
+}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling, precomputed by convert_hf_to_gguf.py
 
 
@@ -71,7 +81,7 @@ class _GGUFFile:
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a llama-architecture GGUF file into a Hugging Face config and float32 weights.
+    """Read a Llama, Qwen2 or Qwen3 GGUF file into a Hugging Face config and float32 weights.
 
     Returns:
       ``(config, tensors)``: ``config`` has the keys of a Hugging Face Llama ``config.json``;
@@ -86,12 +96,14 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.nda
         model.layers.{i}.mlp.down_proj.weight        [hidden_size, intermediate_size]
         model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight   [hidden_size]
         lm_head.weight                               [vocab_size, hidden_size]   (absent when tied)
+        model.layers.{i}.self_attn.{q,k,v}_proj.bias [heads * head_dim]   (Qwen2)
+        model.layers.{i}.self_attn.{q,k}_norm.weight [head_dim]   (Qwen3)
 
       The whole model in float32: to load one, stream it with :func:`open_gguf` instead.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: not a GGUF file, truncated or corrupt; an architecture other than llama;
+      ValueError: not a GGUF file, truncated or corrupt; an architecture other than llama, qwen2, qwen3;
         missing metadata; missing, extra or mis-shaped tensors; a tensor type gguf cannot dequantize.
     """
     config, _, tensors = open_gguf(path)
@@ -116,7 +128,7 @@ def open_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[
             if np.may_share_memory(w, tensor.data):  # F32 comes back as a view of the memory-mapped file
                 w = w.copy()
             w = w.astype(np.float32, copy=False).reshape(shape)
-            if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            if config["model_type"] == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
                 w = unpermute_rope_rows(w, heads)
             yield hf_name, w
@@ -125,7 +137,8 @@ def open_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo the row permutation convert_hf_to_gguf.py applies to Q and K projections.
+    """Undo the row permutation convert_hf_to_gguf.py applies to a Llama's Q and K projections
+    (Qwen2 and Qwen3 keep Hugging Face's rows: llama.cpp runs their RoPE in its NEOX mode).
 
     Hugging Face's ``rotate_half`` rotates dimension ``j`` of a head with ``j + head_dim/2``;
     ggml's default RoPE rotates ``2j`` with ``2j+1``. The converter therefore interleaves the
@@ -142,8 +155,8 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _hf_config(f: _GGUFFile) -> dict[str, Any]:
     arch = f.get("general.architecture")
-    if arch != "llama":
-        raise f.error(f"architecture {arch!r} is not supported (only 'llama')")
+    if arch not in _HF_ARCHITECTURES:
+        raise f.error(f"architecture {arch!r} is not supported (only {', '.join(map(repr, _HF_ARCHITECTURES))})")
     a = f"{arch}."
     num_heads = _same_for_all_layers(f, a + "attention.head_count")
     num_kv_heads = _same_for_all_layers(f, a + "attention.head_count_kv", num_heads)
@@ -163,8 +176,8 @@ def _hf_config(f: _GGUFFile) -> dict[str, Any]:
     eos = [f.get(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(i for i in eos if i is not None))  # llama.cpp stops on all of them
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_HF_ARCHITECTURES[arch]],
+        "model_type": arch,
         "vocab_size": int(vocab_size),
         "hidden_size": hidden,
         "intermediate_size": int(f.get(a + "feed_forward_length")),
@@ -236,10 +249,14 @@ def _tensor_plan(f: _GGUFFile, config: dict) -> dict[str, tuple[Any, tuple[int, 
     shapes = {"token_embd": (V, D), "output_norm": (D,), "output": (V, D)}
     layer_shapes = {"attn_norm": (D,), "attn_q": (q, D), "attn_k": (kv, D), "attn_v": (kv, D),
                     "attn_output": (D, q), "ffn_norm": (D,), "ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F)}
+    layer_shapes |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+                     "attn_q_norm.weight": (config["head_dim"],), "attn_k_norm.weight": (config["head_dim"],)}
     expected = {f"{g}.weight": (f"{h}.weight", shapes[g]) for g, h in GLOBAL_TENSORS.items()}
     for i in range(config["num_hidden_layers"]):
         for g, h in LAYER_TENSORS.items():
             expected[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{h}.weight", layer_shapes[g])
+        for g, h in ARCH_LAYER_TENSORS[config["model_type"]].items():
+            expected[f"blk.{i}.{g}"] = (f"model.layers.{i}.{h}", layer_shapes[g])
     if config["tie_word_embeddings"]:
         del expected["output.weight"]
 

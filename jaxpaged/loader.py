@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -77,6 +78,13 @@ _LAYER_RULES: list[tuple[str, str, _T]] = [
     (r"mlp\.gate_proj\.weight", "w_gate", lambda w, c: w.T),
     (r"mlp\.up_proj\.weight", "w_up", lambda w, c: w.T),
     (r"mlp\.down_proj\.weight", "w_down", lambda w, c: w.T),
+    # Qwen2's q/k/v biases, Qwen3's q/k norms (only where the config has them: plan_tensors
+    # expects what the model holds).
+    (r"self_attn\.q_proj\.bias", "bq", lambda w, c: w.reshape(c.num_heads, c.head_dim)),
+    (r"self_attn\.k_proj\.bias", "bk", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    (r"self_attn\.v_proj\.bias", "bv", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)),
+    (r"self_attn\.q_norm\.weight", "q_norm", lambda w, c: w),
+    (r"self_attn\.k_norm\.weight", "k_norm", lambda w, c: w),
 ]
 _GLOBAL_RULES: dict[str, tuple[str, _T]] = {
     "model.embed_tokens.weight": ("embed", lambda w, c: w),
@@ -117,7 +125,7 @@ def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source
         if m:
             i, rest = int(m.group(1)), m.group(2)
             rule = next(((p, f) for pat, p, f in _LAYER_RULES if re.fullmatch(pat, rest)), None)
-            if rule is None or i >= cfg.num_layers:
+            if rule is None or rule[0] not in layer_shapes or i >= cfg.num_layers:
                 errors.append(f"unexpected tensor {name!r} {shape}")
                 continue
             p, f = rule
@@ -154,8 +162,10 @@ def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source
 
 def _hf_shape(layer_shape: tuple[int, ...], p: str) -> tuple[int, ...]:
     """The HF (PyTorch Linear [out, in]) shape of one layer's param."""
-    if p in ("input_norm", "post_attn_norm"):
+    if p in ("input_norm", "post_attn_norm", "q_norm", "k_norm"):
         return tuple(layer_shape)
+    if p in ("bq", "bk", "bv"):
+        return (math.prod(layer_shape),)
     if p in ("wq", "wk", "wv"):
         d, n, h = layer_shape
         return (n * h, d)

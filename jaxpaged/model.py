@@ -293,6 +293,25 @@ class DecoderLayer(nnx.Module):
         self.w_gate = _param(rngs, (D, F), dtype, D)
         self.w_up = _param(rngs, (D, F), dtype, D)
         self.w_down = _param(rngs, (F, D), dtype, F)
+        if cfg.qkv_bias:  # Qwen2
+            self.bq = nnx.Param(jnp.zeros((N, H), dtype))
+            self.bk = nnx.Param(jnp.zeros((K, H), dtype))
+            self.bv = nnx.Param(jnp.zeros((K, H), dtype))
+        if cfg.qk_norm:  # Qwen3
+            self.q_norm = nnx.Param(jnp.ones((H,), dtype))
+            self.k_norm = nnx.Param(jnp.ones((H,), dtype))
+
+
+def attention_inputs(cfg: LlamaConfig, p, q, k, v, *, add_bias: bool = True):
+    """``q``, ``k``, ``v`` (``[T, heads, H]``, just projected) with what the architecture adds
+    before RoPE: Qwen2's biases ``p.bq``, ``p.bk``, ``p.bv`` (``add_bias=False``: the caller
+    added them, as the CPU form adds its fused ``bqkv``), Qwen3's per-head RMSNorm of queries
+    and keys."""
+    if cfg.qkv_bias and add_bias:
+        q, k, v = q + p.bq[...], k + p.bk[...], v + p.bv[...]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p.q_norm[...], cfg.rms_norm_eps), rms_norm(k, p.k_norm[...], cfg.rms_norm_eps)
+    return q, k, v
 
 
 class FusedLayer(nnx.Module):
@@ -301,16 +320,16 @@ class FusedLayer(nnx.Module):
     Layer ``i`` of a stacked :class:`DecoderLayer`, copied out (see :meth:`Llama.unstacked`):
     ``wqkv`` ``[D, (N + 2K) * H]`` (the q, k, v columns in that order), ``wo`` ``[N * H, D]``,
     ``w_gate_up`` ``[D, 2F]`` (the gate's columns first), ``w_down`` ``[F, D]``; with
-    ``out_in`` each of the four transposed, ``[out, in]`` (see :func:`choose_cpu_layout`).
-    Built from :func:`fused_layer_arrays` once they are on the device.
+    ``out_in`` each of the four transposed, ``[out, in]`` (see :func:`choose_cpu_layout`);
+    Qwen2's ``bqkv`` ``[(N + 2K) * H]`` (its q, k, v biases in the columns' order), Qwen3's
+    ``q_norm`` and ``k_norm`` ``[H]``. Built from :func:`fused_layer_arrays` once they are on
+    the device.
     """
-
-    NAMES = ("input_norm", "wqkv", "wo", "post_attn_norm", "w_gate_up", "w_down")
 
     def __init__(self, arrays: dict, *, out_in: bool = False):
         self.out_in = out_in
-        for name in self.NAMES:
-            setattr(self, name, nnx.Param(arrays[name]))
+        for name, a in arrays.items():
+            setattr(self, name, nnx.Param(a))
 
 
 def fused_layer_arrays(stacked: DecoderLayer, i: int, *, out_in: bool = False) -> dict[str, np.ndarray]:
@@ -322,12 +341,17 @@ def fused_layer_arrays(stacked: DecoderLayer, i: int, *, out_in: bool = False) -
         return np.ascontiguousarray(w.T) if out_in else w
 
     D = take("input_norm").shape[0]
-    return {"input_norm": take("input_norm"),
-            "wqkv": weight(np.concatenate([take(n).reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1)),
-            "wo": weight(take("wo").reshape(-1, D)),
-            "post_attn_norm": take("post_attn_norm"),
-            "w_gate_up": weight(np.concatenate([take("w_gate"), take("w_up")], axis=1)),
-            "w_down": weight(take("w_down"))}
+    arrays = {"input_norm": take("input_norm"),
+              "wqkv": weight(np.concatenate([take(n).reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1)),
+              "wo": weight(take("wo").reshape(-1, D)),
+              "post_attn_norm": take("post_attn_norm"),
+              "w_gate_up": weight(np.concatenate([take("w_gate"), take("w_up")], axis=1)),
+              "w_down": weight(take("w_down"))}
+    if hasattr(stacked, "bq"):
+        arrays["bqkv"] = np.concatenate([take(n).reshape(-1) for n in ("bq", "bk", "bv")])
+    if hasattr(stacked, "q_norm"):
+        arrays["q_norm"], arrays["k_norm"] = take("q_norm"), take("k_norm")
+    return arrays
 
 
 class Llama(nnx.Module):
@@ -378,11 +402,12 @@ class Llama(nnx.Module):
         graphdef, state = nnx.split(self)
         model = nnx.merge(graphdef, state)
         out_in = layout == "out_in"
-        L, names = self.cfg.num_layers, FusedLayer.NAMES
+        L = self.cfg.num_layers
         # All the layers' weights in one region of huge pages on CPU (jaxpaged.hugepages), filled
         # a layer at a time.
         device = next(iter(self.embed[...].devices()))
         first = fused_layer_arrays(self.layers, 0, out_in=out_in)
+        names = tuple(first)
         host = hugepages.host_arrays([(first[n].shape, first[n].dtype) for n in names] * L, device)
         layers = []
         for i in range(L):
@@ -456,8 +481,12 @@ class Llama(nnx.Module):
 
             def qkv_proj(p, x):
                 h = rms_norm(x, p.input_norm[...], eps)
-                q, k, v = jnp.split(dot(h, p.wqkv[...]), [N * H, (N + K) * H], axis=1)
-                return q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
+                y = dot(h, p.wqkv[...])
+                if cfg.qkv_bias:
+                    y = y + p.bqkv[...]
+                q, k, v = jnp.split(y, [N * H, (N + K) * H], axis=1)
+                return attention_inputs(cfg, p, q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H),
+                                        add_bias=False)
 
             def out_proj_mlp(p, x, o):
                 x = x + dot(o.reshape(T, N * H), p.wo[...])
@@ -494,6 +523,7 @@ class Llama(nnx.Module):
                 with jax.named_scope("attention"):
                     h = rms_norm(x, p.input_norm[...], eps)
                     q, k, v = matmul(h, p, ("wq", "wk", "wv"), layer)  # "TD,DNH->TNH", "TD,DKH->TKH"
+                    q, k, v = attention_inputs(cfg, p, q, k, v)
                     o, kv = attention(kv, q, k, v, layer)
                     # Row-parallel under TP: GSPMD all-reduces the partial sums over the head shards.
                     x = x + matmul(o, p, "wo", layer)  # "TNH,NHD->TD"

@@ -14,6 +14,8 @@ param (stacked over layers)   shape                    spec
 ``embed``                     ``[V, D]``               ``P("tp", None)`` vocab (see below)
 ``lm_head``                   ``[D, V]``               ``P(None, "tp")`` vocab
 norms                         ``[L, D]``, ``[D]``      replicated
+``bq``, ``bk``, ``bv``        ``[L, heads, H]``        ``P(None, "tp", None)`` (Qwen2)
+``q_norm``, ``k_norm``        ``[L, H]``               replicated (Qwen3)
 KV pool ``k``, ``v``          ``[L, NB, KVH, BS, D]``  ``P(None, None, "tp")``
 ============================  =======================  ===================================
 
@@ -98,6 +100,9 @@ _LAYER_SPECS = {
     "wo": P(None, TP, None, None),
     "w_gate": P(None, None, TP), "w_up": P(None, None, TP),
     "w_down": P(None, TP, None),
+    # Qwen2's q/k/v biases [L, heads, H] go with their heads; Qwen3's q/k norms [L, H] are replicated.
+    "bq": P(None, TP, None), "bk": P(None, TP, None), "bv": P(None, TP, None),
+    "q_norm": P(), "k_norm": P(),
 }
 
 
@@ -191,7 +196,9 @@ def vocab_parallel(cfg: LlamaConfig, n: int) -> bool:
 def param_specs(cfg: LlamaConfig, n: int) -> dict:
     """The ``PartitionSpec`` of every param, as a pure dict shaped like the model's params."""
     vocab = vocab_parallel(cfg, n)
-    specs = {"embed": P(TP, None) if vocab else P(), "layers": dict(_LAYER_SPECS), "final_norm": P()}
+    layers = {name: spec for name, spec in _LAYER_SPECS.items()
+              if (name not in ("bq", "bk", "bv") or cfg.qkv_bias) and (name not in ("q_norm", "k_norm") or cfg.qk_norm)}
+    specs = {"embed": P(TP, None) if vocab else P(), "layers": layers, "final_norm": P()}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = P(None, TP) if vocab else P()
     return specs

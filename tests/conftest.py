@@ -131,6 +131,28 @@ def make_tiny_tp_hf(folder, *, tie: bool = False, seed: int = 0):
     return folder
 
 
+QWEN_SHAPES = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                   rope_theta=10000.0, initializer_range=0.2)
+
+
+def make_tiny_qwen(folder, arch: str, *, tie: bool, seed: int = 0):
+    """A random Qwen2 or Qwen3 saved with save_pretrained; its norms and biases randomised (HF
+    initialises them to ones and zeros, which would leave them untested). Returns the torch model."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    model = model_cls(config(**QWEN_SHAPES, tie_word_embeddings=tie)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model
+
+
 @pytest.fixture(scope="session", params=[(t, r) for t in (True, False) for r in (False, True)],
                 ids=["tied-default", "tied-llama3", "untied-default", "untied-llama3"])
 def tiny_hf(request, tmp_path_factory):

@@ -171,7 +171,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_hf_tensors(seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
+def tiny_hf_tensors(seed: int = 0, tied: bool = True, arch: str = "llama") -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     V = len(tiny_tokens()[0])
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
@@ -184,13 +184,21 @@ def tiny_hf_tensors(seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
                    p + "self_attn.v_proj.weight": (KVH * HD, D), p + "self_attn.o_proj.weight": (D, H * HD),
                    p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
                    p + "mlp.down_proj.weight": (D, F)}
+        if arch == "qwen2":
+            shapes |= {p + "self_attn.q_proj.bias": (H * HD,), p + "self_attn.k_proj.bias": (KVH * HD,),
+                       p + "self_attn.v_proj.bias": (KVH * HD,)}
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (HD,), p + "self_attn.k_norm.weight": (HD,)}
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
 def gguf_name(hf_name: str) -> str:
-    table = {v: k for k, v in gguf_loader.GLOBAL_TENSORS.items()}
-    table |= {f"model.layers.{i}.{v}": f"blk.{i}.{k}" for i in range(LAYERS) for k, v in gguf_loader.LAYER_TENSORS.items()}
-    return table[hf_name.removesuffix(".weight")] + ".weight"
+    table = {v + ".weight": k + ".weight" for k, v in gguf_loader.GLOBAL_TENSORS.items()}
+    table |= {f"model.layers.{i}.{v}.weight": f"blk.{i}.{k}.weight"
+              for i in range(LAYERS) for k, v in gguf_loader.LAYER_TENSORS.items()}
+    table |= {f"model.layers.{i}.{v}": f"blk.{i}.{k}" for i in range(LAYERS)
+              for extra in gguf_loader.ARCH_LAYER_TENSORS.values() for k, v in extra.items()}
+    return table[hf_name]
 
 
 def write_tiny_gguf(path, hf: dict[str, np.ndarray], *, qtype=Q.F32, arch="llama", omit=(), extra=None,
@@ -223,7 +231,7 @@ def write_tiny_gguf(path, hf: dict[str, np.ndarray], *, qtype=Q.F32, arch="llama
         g = gguf_name(name)
         if g in omit:
             continue
-        if ".attn_q." in g or ".attn_k." in g:
+        if arch == "llama" and (".attn_q." in g or ".attn_k." in g):  # Qwen's RoPE is NEOX: no permutation
             x = llama_cpp_permute(x, H if ".attn_q." in g else KVH)
         t = (types or {}).get(g, Q.F32 if x.ndim == 1 else qtype)  # llama.cpp keeps norms in F32
         if t == Q.F32:
@@ -259,6 +267,32 @@ def test_name_table_agrees_with_gguf():
     for i in range(LAYERS):
         for g, h in gguf_loader.LAYER_TENSORS.items():
             assert name_map.get_name(f"model.layers.{i}.{h}") == f"blk.{i}.{g}"
+    for arch, extra in gguf_loader.ARCH_LAYER_TENSORS.items():
+        name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), LAYERS)
+        for i in range(LAYERS):
+            for g, h in extra.items():
+                assert name_map.get_name(f"model.layers.{i}.{h}", try_suffixes=(".weight", ".bias")) == f"blk.{i}.{g}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_round_trip_keeps_hf_row_order(tmp_path, arch):
+    """Qwen's GGUFs keep Hugging Face's q/k rows (llama.cpp runs their RoPE in NEOX mode); Qwen2's
+    biases and Qwen3's q/k norms come back under their Hugging Face names."""
+    hf = tiny_hf_tensors(tied=False, arch=arch)
+    write_tiny_gguf(tmp_path / "tiny.gguf", hf, arch=arch)
+    config, tensors = read_gguf(tmp_path / "tiny.gguf")
+    assert set(tensors) == set(hf)
+    for name in hf:
+        np.testing.assert_array_equal(tensors[name], hf[name], err_msg=name)
+    assert config["model_type"] == arch and config["architectures"] == [f"Qwen{arch[-1]}ForCausalLM"]
+
+
+def test_qwen2_without_its_biases_is_refused(tmp_path):
+    hf = tiny_hf_tensors(arch="qwen2")
+    path = tmp_path / "nobias.gguf"
+    write_tiny_gguf(path, hf, arch="qwen2", omit=("blk.1.attn_v.bias",))
+    with pytest.raises(ValueError, match=r"missing tensors: blk\.1\.attn_v\.bias"):
+        read_gguf(path)
 
 
 def test_f32_round_trip_is_exact_and_undoes_the_qk_permutation(tmp_path):

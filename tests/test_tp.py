@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_tiny_tp_hf
+from conftest import make_tiny_qwen, make_tiny_tp_hf
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged import LLM, sharding
@@ -39,11 +39,21 @@ def child_env(**extra) -> dict:
     return env
 
 
+@pytest.fixture(scope="module")
+def tiny_qwens(tmp_path_factory):
+    """A Qwen2 and a Qwen3 (biases, q/k norms: params of their own to shard)."""
+    folders = [tmp_path_factory.mktemp(arch) for arch in ("qwen2", "qwen3")]
+    for folder, arch in zip(folders, ("qwen2", "qwen3")):
+        make_tiny_qwen(folder, arch, tie=arch == "qwen2")
+    return folders
+
+
 @pytest.mark.long
-def test_cases_on_four_cpu_devices(tiny_tp):
+def test_cases_on_four_cpu_devices(tiny_tp, tiny_qwens):
     """tp = 1, 2, 4 on a tiny model and tp = 1, 3 on the default model: same tokens and
     logits, the step's collectives, 1/N memory, errors (see tests/tp_cases.py)."""
-    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXPAGED_TP_TINY=str(tiny_tp))
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXPAGED_TP_TINY=str(tiny_tp),
+                    JAXPAGED_TP_QWEN=os.pathsep.join(map(str, tiny_qwens)))
     proc = subprocess.run([sys.executable, "-m", "pytest", str(TESTS / "tp_cases.py"), "-q", "-p", "no:cacheprovider"],
                           env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, \

@@ -144,6 +144,40 @@ def test_tiny_engine_same_greedy_tokens(engines, tp):
     assert not engines[1][0].loaded.model.is_stacked and llm.loaded.model.is_stacked
 
 
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def tiny_qwen(request, tmp_path_factory):
+    """Qwen2 (q/k/v biases, sharded with their heads) and Qwen3 (q/k norms, replicated): built by
+    the parent test, or now (importing torch) when this module runs on its own."""
+    folders = os.environ.get("JAXPAGED_TP_QWEN")
+    if folders:
+        return folders.split(os.pathsep)[["qwen2", "qwen3"].index(request.param)]
+    from conftest import make_tiny_qwen
+
+    folder = tmp_path_factory.mktemp(request.param)
+    make_tiny_qwen(folder, request.param, tie=request.param == "qwen2")
+    return folder
+
+
+def test_qwen_logits_and_engine_match_one_device(tiny_qwen):
+    """The biases and norms Qwen adds are sharded (or replicated) so that two devices give one
+    device's logits, and the engine its greedy tokens and logprobs."""
+    lm = load_model(tiny_qwen)
+    assert lm.config.qkv_bias or lm.config.qk_norm
+    _, want_tokens, want = greedy_logits(lm.model)
+    sharded = load_model(tiny_qwen, tensor_parallel_size=2).model
+    for name in ("bq", "bk", "bv") if lm.config.qkv_bias else ("q_norm", "k_norm"):
+        x = getattr(sharded.layers, name)[...]
+        split = 2 if name.startswith("b") else 1  # biases with their heads, norms replicated
+        assert x.addressable_shards[0].data.shape == (x.shape[0], x.shape[1] // split, *x.shape[2:]), name
+    _, tokens, got = greedy_logits(sharded)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    for step, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0, err_msg=f"step {step}")
+    prompts = [p for p in PROMPTS if max(p) < lm.config.vocab_size]
+    ref = LLM(lm, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    assert_same_outputs(LLM(tiny_qwen, tensor_parallel_size=2, **ENGINE).generate(prompts, GREEDY, use_tqdm=False), ref)
+
+
 def test_swap_preemption_keeps_the_pool_sharded(tiny, engines):
     """A pool too small for both sequences: one is swapped out to host memory and back."""
     llm = LLM(tiny, tensor_parallel_size=2, block_size=4, num_blocks=18, max_num_batched_tokens=16,
