@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -14,6 +15,59 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (``rope_type == "linear"``): every frequency divided by ``factor``."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (``rope_type == "yarn"``; the long-context configs of Qwen2.5 and Qwen3): the
+    frequencies that turn fewer than ``beta_slow`` times over the original context are divided by
+    ``factor``, those that turn more than ``beta_fast`` times are kept, a linear ramp between; and
+    cos / sin are multiplied by ``attention_factor`` (0.1 ln(factor) + 1 unless the config says)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded outwards to whole dimensions
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_scaling(rs: dict[str, Any], max_positions: int) -> RopeScaling | LinearRopeScaling | YarnRopeScaling | None:
+    """The RoPE scaling a config's ``rope_scaling`` / ``rope_parameters`` asks for (None: plain RoPE);
+    ``max_positions`` gives YaRN a factor where the config has none (DeepSeek's convention)."""
+    rope_type = rs.get("rope_type", rs.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type == "llama3":
+        return RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
+                           high_freq_factor=float(rs["high_freq_factor"]),
+                           original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+    if rope_type == "linear":
+        return LinearRopeScaling(factor=float(rs["factor"]))
+    if rope_type == "yarn":
+        original = int(rs["original_max_position_embeddings"])
+        factor = float(rs["factor"]) if rs.get("factor") is not None else max_positions / original
+        attention = rs.get("attention_factor")
+        if attention is None:
+            mscale, all_dims = rs.get("mscale"), rs.get("mscale_all_dim")
+            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dims) if mscale and all_dims
+                         else _yarn_mscale(factor))
+        return YarnRopeScaling(factor=factor, original_max_position_embeddings=original,
+                               beta_fast=float(rs.get("beta_fast") or 32.0),
+                               beta_slow=float(rs.get("beta_slow") or 1.0),
+                               attention_factor=float(attention), truncate=bool(rs.get("truncate", True)))
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: none, llama3, linear, yarn)")
 
 
 # The ``model_type``s whose checkpoints load (and any architecture named ``*Llama*``).
@@ -31,7 +85,7 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
@@ -83,17 +137,8 @@ class LlamaConfig:
         rs = d.get("rope_scaling") or d.get("rope_parameters")
         rope_theta = d.get("rope_theta")
         if rs is not None:
-            rope_type = rs.get("rope_type", rs.get("type"))
             rope_theta = rope_theta if rope_theta is not None else rs.get("rope_theta")
-            if rope_type == "llama3":
-                scaling = RopeScaling(
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs["low_freq_factor"]),
-                    high_freq_factor=float(rs["high_freq_factor"]),
-                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                )
-            elif rope_type not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: none, llama3)")
+            scaling = _rope_scaling(rs, int(d.get("max_position_embeddings", 2048)))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         return cls(

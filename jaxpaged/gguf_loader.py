@@ -207,7 +207,14 @@ def _same_for_all_layers(f: _GGUFFile, key: str, default: Any = ...) -> int:
 def _rope_scaling(f: _GGUFFile, a: str, rope_theta: float, head_dim: int) -> dict | None:
     """HF ``rope_scaling`` from the metadata, or recovered from a ``rope_freqs`` tensor (llama3)."""
     kind = f.get(a + "rope.scaling.type", "none")
-    if kind not in ("none", "llama3"):  # linear/yarn/...: passed on, LlamaConfig says what it supports
+    if kind == "yarn":  # convert_hf_to_gguf.py writes the factor and the original context (Qwen2.5's long configs)
+        scaling = {"rope_type": "yarn", "factor": f.get(a + "rope.scaling.factor"),
+                   "original_max_position_embeddings": f.get(a + "rope.scaling.original_context_length")}
+        for key in ("beta_fast", "beta_slow"):
+            if (value := f.get(f"{a}rope.scaling.yarn_{key}", None)) is not None:
+                scaling[key] = value
+        return scaling
+    if kind not in ("none", "llama3"):  # linear/...: passed on, LlamaConfig says what it supports
         return {"rope_type": kind, "factor": f.get(a + "rope.scaling.factor", 1.0)}
     freqs = next((t for t in f.reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is None:

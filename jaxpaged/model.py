@@ -29,18 +29,34 @@ from jaxtyping import Array, Float, Int
 
 from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backend
-from jaxpaged.config import LlamaConfig
+from jaxpaged.config import LinearRopeScaling, LlamaConfig, YarnRopeScaling
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies of RoPE, with Llama-3 frequency-dependent scaling when configured."""
+    """Inverse frequencies of RoPE, scaled as the config says: Llama-3's frequency-dependent
+    scaling, linear position interpolation, or YaRN (with :func:`rope_attention_factor`)."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     rs = cfg.rope_scaling
-    if rs is not None:
+    if isinstance(rs, LinearRopeScaling):
+        inv_freq = inv_freq / rs.factor
+    elif isinstance(rs, YarnRopeScaling):
+        # The dimension whose frequency turns ``rotations`` times over the original context.
+        def dim_of(rotations):
+            return hd * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(cfg.rope_theta))
+
+        low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+        if rs.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, hd - 1)
+        ramp = np.clip((np.arange(hd // 2, dtype=np.float64) - low) / max(high - low, 1e-3), 0.0, 1.0)
+        keep = 1.0 - ramp  # 1: the frequency as trained (fast turns); 0: interpolated by the factor
+        inv_freq = inv_freq / rs.factor * (1.0 - keep) + inv_freq * keep
+    elif rs is not None:
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -54,10 +70,19 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: Float[Array, "T N H"], positions: Int[Array, "T"], inv_freq: Float[Array, "H/2"]):
-    """Rotate-half RoPE (the Hugging Face Llama convention), computed in float32."""
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+    """What RoPE's cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    return cfg.rope_scaling.attention_factor if isinstance(cfg.rope_scaling, YarnRopeScaling) else 1.0
+
+
+def apply_rope(x: Float[Array, "T N H"], positions: Int[Array, "T"], inv_freq: Float[Array, "H/2"],
+               scale: float = 1.0):
+    """Rotate-half RoPE (the Hugging Face Llama convention), computed in float32; ``scale``
+    multiplies cos and sin (:func:`rope_attention_factor`)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -450,6 +475,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        rope_scale = rope_attention_factor(cfg)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         backend = self.attention_backend
         mesh = self.mesh
@@ -464,8 +490,8 @@ class Llama(nnx.Module):
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         def attention(kv, q, k, v, layer):
-            q = apply_rope(q, md.positions, inv_freq)
-            k = apply_rope(k, md.positions, inv_freq)
+            q = apply_rope(q, md.positions, inv_freq, rope_scale)
+            k = apply_rope(k, md.positions, inv_freq, rope_scale)
             # In the pool's dtype (float32 K/V under a bfloat16 model on CPU: kv_cache.resolve_kv_cache_dtype).
             dtype = q.dtype
             q, k, v = (t.astype(kv.k.dtype) for t in (q, k, v))

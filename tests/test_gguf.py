@@ -203,7 +203,7 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_gguf(path, hf: dict[str, np.ndarray], *, qtype=Q.F32, arch="llama", omit=(), extra=None,
                     types=None, tokenizer_model="gpt2", pre="smollm", add_bos=False, rope_theta=10000.0,
-                    rope_freqs=None, seed=0) -> dict[str, np.ndarray]:
+                    rope_freqs=None, yarn=None, seed=0) -> dict[str, np.ndarray]:
     """Write ``hf`` as a GGUF; returns what a reader should dequantize each GGUF tensor to."""
     rng = np.random.default_rng(seed)
     tokens, token_types = tiny_tokens()
@@ -217,6 +217,10 @@ def write_tiny_gguf(path, hf: dict[str, np.ndarray], *, qtype=Q.F32, arch="llama
     w.add_rope_dimension_count(HD)
     w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
+    if yarn is not None:  # (factor, original context), as convert_hf_to_gguf.py writes Qwen2.5's YaRN
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn[0])
+        w.add_rope_scaling_orig_ctx_len(yarn[1])
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
@@ -285,6 +289,16 @@ def test_qwen_round_trip_keeps_hf_row_order(tmp_path, arch):
     for name in hf:
         np.testing.assert_array_equal(tensors[name], hf[name], err_msg=name)
     assert config["model_type"] == arch and config["architectures"] == [f"Qwen{arch[-1]}ForCausalLM"]
+
+
+def test_yarn_scaling_is_read_from_the_metadata(tmp_path):
+    from jaxpaged.config import LlamaConfig, YarnRopeScaling
+
+    write_tiny_gguf(tmp_path / "yarn.gguf", tiny_hf_tensors(arch="qwen2"), arch="qwen2", yarn=(4.0, 128))
+    config, _ = read_gguf(tmp_path / "yarn.gguf")
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    scaling = LlamaConfig.from_hf(config).rope_scaling
+    assert isinstance(scaling, YarnRopeScaling) and scaling.attention_factor == pytest.approx(0.1 * math.log(4) + 1)
 
 
 def test_qwen2_without_its_biases_is_refused(tmp_path):
