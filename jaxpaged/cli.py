@@ -78,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help='speculative decoding with n-gram drafts, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     e.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
-                   help="a reasoning model's think tags (deepseek_r1: <think>...</think>): structured outputs "
+                   help="a reasoning model's think tags (deepseek_r1, qwen3: <think>...</think>): structured outputs "
                         "start after the reasoning; the server returns it as the reply's reasoning")
     return e
 

@@ -117,7 +117,7 @@ class LLM:
         repetition_penalty, max_new_tokens) are those of requests that give no parameters,
         as in vLLM (:mod:`jaxpaged.generation_config`); ``"vllm"``: jaxpaged's own; or a
         folder whose ``generation_config.json`` to take.
-      reasoning_parser: a reasoning model's think tags (``"deepseek_r1"``, vLLM's names; see
+      reasoning_parser: a reasoning model's think tags (``"deepseek_r1"``, ``"qwen3"``: vLLM's names; see
         :mod:`jaxpaged.reasoning`): a structured output's grammar then starts after the
         reasoning, so the model thinks freely first; the server splits replies into
         ``reasoning`` and ``content``. The tokenizer must hold the tags as tokens.

@@ -13,6 +13,12 @@ writes it); a reply without ``</think>`` is all reasoning. A prompt that has end
 already (its last think tag is ``</think>``, as a template with thinking switched off writes
 it) makes the reply all content.
 
+``qwen3`` (Qwen3, and QwQ-style Qwen2.5 reasoning models): the same split. Qwen3's template
+with ``enable_thinking: false`` (``chat_template_kwargs``) ends the prompt with an empty
+``<think>\n\n</think>``, so that reply is all content, as in vLLM; vLLM's parser also ends
+reasoning at a ``<tool_call>`` followed by ``<function=`` (Qwen3.5's XML tool calls, a tool
+format jaxpaged does not parse).
+
 A structured output, and so a named or required tool choice, constrains the content only: the
 grammar starts after the ``</think>`` token (vLLM's default), so the model thinks freely first
 (the engine's side: ``LLM(reasoning_parser=...)``, :class:`~jaxpaged.sequence.Sequence`'s
@@ -25,7 +31,7 @@ from collections.abc import Sequence
 
 from jaxpaged.tool_calling import partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1",)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def check_reasoning_parser(name: str | None) -> None:

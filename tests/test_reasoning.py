@@ -62,8 +62,23 @@ def test_the_parser_needs_the_tags_as_tokens(think_engine_model, tiny_engine_mod
     assert p.num_tokens([end], [4, 5, end]) == 0
     with pytest.raises(ValueError, match=r"the tokenizer has no <think> token .* is this a reasoning model"):
         ReasoningParser("deepseek_r1", tiny_engine_model.tokenizer)
-    with pytest.raises(ValueError, match=r"reasoning_parser 'qwen9' is not one of \('deepseek_r1',\)"):
+    with pytest.raises(ValueError, match=r"reasoning_parser 'qwen9' is not one of \('deepseek_r1', 'qwen3'\)"):
         LLM(tiny_engine_model, reasoning_parser="qwen9")
+
+
+def test_qwen3_splits_as_deepseek_r1_and_thinking_off_is_all_content(think_engine_model):
+    """vLLM's ``qwen3`` name: the same tags and split; Qwen3's template with ``enable_thinking:
+    false`` writes an empty think block into the prompt, after which the reply is content."""
+    tok = think_engine_model.tokenizer
+    r1, qwen3 = (ReasoningParser(name, tok) for name in ("deepseek_r1", "qwen3"))
+    assert (qwen3.start_id, qwen3.end_id) == (r1.start_id, r1.end_id)
+    prompt_off = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    reply = tok.encode("No thinking here.", add_special_tokens=False)
+    assert qwen3.ended(prompt_off) and qwen3.num_tokens(prompt_off, reply) == 0
+    s = qwen3.stream(prompt_off)
+    assert s.feed("No thinking", False) == ("", "No thinking") and s.feed(" here.", True) == ("", " here.")
+    s = qwen3.stream(tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
+    assert s.feed("<think>\nhm</think>\n\nYes.", True) == ("\nhm", "\n\nYes.")
 
 
 def test_an_earlier_turns_reasoning_goes_to_the_template_under_both_names():
