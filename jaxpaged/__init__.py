@@ -31,6 +31,8 @@ _EXPORTS = {
     "BeamSearchParams": "jaxpaged.sampling_params", "BeamSearchOutput": "jaxpaged.outputs",
     "BeamSearchSequence": "jaxpaged.outputs",
     "StructuredOutputsParams": "jaxpaged.structured_output", "SpeculativeConfig": "jaxpaged.spec_decode",
+    "PoolingParams": "jaxpaged.pooling", "EmbeddingRequestOutput": "jaxpaged.outputs",
+    "EmbeddingOutput": "jaxpaged.outputs",
 }
 
 
@@ -47,6 +49,6 @@ def __dir__():
 __all__ = [
     "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
     "RequestMetrics", "load_model", "LoadedModel", "CheckpointError", "SpeculativeConfig", "BeamSearchParams",
-    "BeamSearchOutput", "BeamSearchSequence",
+    "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput",
 ]
 __version__ = "0.1.0"

@@ -21,12 +21,14 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from jaxpaged.engine import LLM
 from jaxpaged.input_processor import PromptType
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxpaged.pooling import PoolingParams
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Request
 
@@ -205,12 +207,13 @@ class AsyncLLM:
 
     async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
                            request_ids: list[str], check: Callable[[Request], None] | None = None,
-                           priority: int = 0) -> list[RequestStream]:
+                           priority: int = 0, pooling: PoolingParams | None = None) -> list[RequestStream]:
         """``add_request`` for a batch of prompts, all queued or none: the batch is admitted
         whole when fewer than ``max_waiting_requests`` requests wait as it arrives, and its
         prompts are tokenized on the tokenizer thread, so a long prompt never stalls the
         event loop (other requests' streams) or the engine thread. ``check``, if given, sees
-        each validated request there and may raise to refuse the batch.
+        each validated request there and may raise to refuse the batch. ``pooling``: embedding
+        requests (``params`` None; their one output is an ``EmbeddingRequestOutput``).
 
         Raises: as ``add_request``, and what ``check`` raises.
         """
@@ -220,7 +223,7 @@ class AsyncLLM:
         self._check_room(reserve=len(prompts))
 
         def process():
-            reqs = [self.llm.inputs.process(p, params, rid, self._streams, priority)
+            reqs = [self.llm.inputs.process(p, params, rid, self._streams, priority, pooling=pooling)
                     for p, rid in zip(prompts, request_ids)]
             for req in reqs if check is not None else ():
                 check(req)
@@ -285,6 +288,16 @@ class AsyncLLM:
         Stopping the iteration early (``break``, cancellation) aborts the request.
         """
         async with self.add_request(prompt, params, request_id=request_id, priority=priority) as stream:
+            async for out in stream:
+                yield out
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[EmbeddingRequestOutput]:
+        """An embedding request (vLLM's ``AsyncLLM.encode``): yields its one output, finished."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        rid = request_id if request_id is not None else f"embd-{uuid.uuid4().hex}"
+        streams = await self.add_requests([prompt], None, [rid], priority=priority, pooling=params)
+        async with streams[0] as stream:
             async for out in stream:
                 yield out
 
@@ -393,6 +406,10 @@ class AsyncLLM:
             if stream is None:  # aborted meanwhile
                 continue
             out = self.llm.outputs.make_output(req)
+            if req.pooling is not None:  # an embedding: its prompt counts once it is done, no token does
+                it.num_prompt_tokens += len(out.prompt_token_ids) if req.hidden is not None else 0
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+                continue
             num_steps = max((len(c.token_ids) for c in out.outputs), default=0)
             if num_steps > stream._num_steps:
                 if stream._last_token_time is None:

@@ -35,8 +35,9 @@ from jaxpaged.input_processor import InputProcessor, PromptType, chat_messages, 
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
+from jaxpaged.pooling import PoolingParams
 from jaxpaged.output_processor import OutputProcessor
-from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
 from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -214,7 +215,11 @@ class LLM:
                                async_scheduling=async_scheduling)
         self.inputs = InputProcessor(self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
                                      check_request=self.scheduler.check_request, seed=seed, eos_ids=self.eos_ids,
-                                     default_params=self.get_default_sampling_params(), reasoning=self.reasoning)
+                                     default_params=self.get_default_sampling_params(), reasoning=self.reasoning,
+                                     hidden_size=cfg.hidden_size)
+        if isinstance(self.runner, DPAttentionRunner):
+            self.inputs.no_pooling = ("embedding requests are not supported with enable_dp_attention (its joint step "
+                                      "returns no hidden states); use data_parallel_size without it")
         self.outputs = OutputProcessor(self.tokenizer)
         self._unclaimed: dict[str, Request] = {}  # changed since step() last returned them
         self._claimed: dict[str, dict[str, Request]] = {}  # generate/stream requests -> their inbox
@@ -277,8 +282,6 @@ class LLM:
                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate completions for one or many prompts; outputs come back in input order.
         ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
-        from tqdm.auto import tqdm
-
         pairs = pair_prompts(prompts, sampling_params)
         if priority is None:
             priority = [0] * len(pairs)
@@ -288,12 +291,33 @@ class LLM:
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
         for (p, sp), prio in zip(pairs, priority):
             reqs.append(self.inputs.process(p, sp, None, self._live(), prio))  # auto ids: distinct among themselves
+        return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="generate")
+
+    def embed(self, prompts: PromptType | Seq[PromptType], pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed one or many prompts (vLLM's ``LLM.embed``): each prompt's last-token hidden state
+        after the final norm, L2-normalized (see :mod:`jaxpaged.pooling`). The prompts run through
+        the paged engine like any request, beside generation ones; outputs come back in input
+        order, ``out.outputs.embedding`` a list of floats."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        # All validated before any is queued: a bad prompt queues nothing.
+        reqs = [self.inputs.process(p, None, None, self._live(), pooling=params)
+                for p, _ in pair_prompts(prompts, None)]
+        return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="embed")
+
+    def _run_to_completion(self, reqs: list[Request], *, use_tqdm: bool, desc: str) -> list:
+        """Queue validated requests, step until all have finished, and return their outputs in order;
+        those left unfinished (an exception, ^C) are aborted."""
+        from tqdm.auto import tqdm
+
         inbox: dict[str, Request] = {}
         for r in reqs:
             self.core.add(r)
             self._claimed[r.request_id] = inbox
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        done: dict[str, Any] = {}
+        bar = tqdm(total=len(reqs), desc=desc, unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         try:
             while len(done) < len(reqs):
@@ -306,9 +330,10 @@ class LLM:
                 for rid, r in list(inbox.items()):
                     if r.finished:  # outputs only for finished requests: ~20 us each
                         done[rid] = self.outputs.make_output(inbox.pop(rid))
-                        generated += sum(len(c.token_ids) for c in done[rid].outputs)
                         bar.update(1)
-                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+                        if r.pooling is None:
+                            generated += sum(len(c.token_ids) for c in done[rid].outputs)
+                            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
             while self.core.has_unfinished() and not self.core.scheduler.has_unfinished():
                 self._advance()  # the step dispatched past the last request's end (async): leave the engine idle
         finally:

@@ -18,6 +18,8 @@ import numpy as np
 
 from jaxpaged.beam_search import BeamSearch
 from jaxpaged.detokenizer import Detokenizer
+from jaxpaged.pooling import PoolingParams
+from jaxpaged.pooling import sampling_params as pooling_sampling_params
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.sequence import Request
 from jaxpaged.structured_output import Grammars, allowed_bitmask
@@ -144,13 +146,16 @@ class InputProcessor:
         see :mod:`jaxpaged.generation_config`).
       reasoning: the model's reasoning parser: a structured output's grammar starts once the
         reasoning ends (:mod:`jaxpaged.reasoning`).
+      hidden_size: the model's; an embedding request's ``dimensions`` must not exceed it.
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
                  check_request: Callable[[int, SamplingParams, int], None], seed: int = 0,
                  eos_ids: Sequence[int] = (), default_params: SamplingParams | None = None,
-                 reasoning: ReasoningParser | None = None):
+                 reasoning: ReasoningParser | None = None, hidden_size: int | None = None):
         self.tokenizer = tokenizer
+        self.hidden_size = hidden_size  # what an embedding's dimensions may be (None: any)
+        self.no_pooling: str | None = None  # why this engine cannot run embedding requests, if it cannot
         self.reasoning = reasoning
         self.default_params = SamplingParams() if default_params is None else default_params
         self.grammars = Grammars(tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
@@ -265,15 +270,23 @@ class InputProcessor:
         return text, ids, params, bad_words
 
     def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
-                live: Container[str], priority: int = 0) -> Request:
+                live: Container[str], priority: int = 0, pooling: PoolingParams | None = None) -> Request:
         """A validated request (:meth:`check`), not queued yet.
 
         Args:
           live: ids in use; a user id among them is refused, an automatic id skips them.
+          pooling: an embedding request's (:mod:`jaxpaged.pooling`; ``params`` are then its own).
 
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
         """
+        if pooling is not None:
+            if self.no_pooling is not None:
+                raise ValueError(self.no_pooling)
+            if not isinstance(pooling, PoolingParams):
+                raise TypeError(f"pooling params must be PoolingParams, got {type(pooling).__name__}")
+            pooling.verify(self.hidden_size)
+            params = pooling_sampling_params(pooling)
         text, ids, params, bad_words = self._check(prompt, params, priority)
         if request_id is not None:
             request_id = str(request_id)
@@ -286,6 +299,7 @@ class InputProcessor:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 1 << 63))
         beam = BeamSearch(params.beam_width, params.length_penalty) if params.use_beam_search else None
         req = Request(request_id, text, ids, params, time.monotonic(), seed, beam, int(priority))
+        req.pooling = pooling
         if params.allowed_token_ids is not None:
             req.allowed_mask = allowed_bitmask(params.allowed_token_ids, self.vocab_size)
         if bad_words:

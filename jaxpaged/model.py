@@ -464,8 +464,11 @@ class Llama(nnx.Module):
         *,
         dp_axis: str | None = None,
         head_shard: Float[Array, "V/N D"] | None = None,
-    ) -> tuple[Float[Array, "S V"], KVPool]:
-        """Run one step. Returns logits at ``logits_indices`` (all tokens when None) and the new pool.
+        return_hidden: bool = False,
+    ) -> tuple[Float[Array, "S V"], KVPool] | tuple[Float[Array, "S V"], KVPool, Float[Array, "S D"]]:
+        """Run one step. Returns logits at ``logits_indices`` (all tokens when None) and the new pool;
+        with ``return_hidden`` also the hidden states there after the final norm, float32 (the
+        embeddings' last-token pooling, :mod:`jaxpaged.pooling`).
 
         ``dp_axis`` (the CPU form inside ``shard_map``; :mod:`jaxpaged.dp_attention`): this
         device's rows and pool run their attention here, the MLP is split over the axis (this
@@ -565,10 +568,19 @@ class Llama(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = rms_norm(x, self.final_norm[...], eps)
+        if return_hidden:
+            if dp_axis is not None:
+                raise ValueError("return_hidden is not supported with dp_axis")
+            return self._logits(x, prec), kv, x.astype(jnp.float32)
         if dp_axis is not None:
             x = jax.lax.all_gather(x, dp_axis, tiled=True)
             logits = jnp.einsum("SD,VD->SV", x, head_shard.astype(x.dtype), precision=prec)
             return jax.lax.all_gather(logits.astype(jnp.float32), dp_axis, axis=1, tiled=True), kv
+        return self._logits(x, prec), kv
+
+    def _logits(self, x: Float[Array, "S D"], prec) -> Float[Array, "S V"]:
+        """The LM head over final-normed rows ``x``, float32."""
+        mesh = self.mesh
         if mesh is not None:  # vocab shards -> whole rows on every device, for sampling
             tied = self.lm_head is None
             logits = sharding.vocab_parallel_logits(mesh, x, self.embed[...] if tied else self.lm_head[...],
@@ -580,7 +592,7 @@ class Llama(nnx.Module):
             logits = jnp.einsum("SD,VD->SV", x, self.embed[...], precision=prec)
         else:
             logits = jnp.einsum("SD,DV->SV", x, self.lm_head[...], precision=prec)
-        return logits.astype(jnp.float32), kv
+        return logits.astype(jnp.float32)
 
 
 _LAYOUT_CHOICES: dict[tuple, str] = {}

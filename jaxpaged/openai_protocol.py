@@ -7,15 +7,18 @@ are ignored, as OpenAI and vLLM do. Types are checked strictly by pydantic, valu
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpaged.generation_config import for_request
-from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from jaxpaged.outputs import CompletionOutput, EmbeddingRequestOutput, PositionLogprobs, RequestOutput
+from jaxpaged.pooling import PoolingParams
 from jaxpaged.reasoning import ReasoningParser, ReasoningStream
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.structured_output import StructuredOutputsParams, as_structured_outputs
@@ -417,6 +420,59 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (OpenAI's; vLLM's ``truncate_prompt_tokens``, ``normalize`` and
+    ``priority`` too). ``dimensions`` keeps the first that many values, normalized again
+    (Matryoshka embeddings)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool = True
+    priority: int = 0
+
+    def inputs(self) -> list[str | list[int]]:
+        p = self.input
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p or any(not x for x in p):
+            raise APIError(400, "input is empty (give text or token ids, none of them empty)", param="input",
+                           code="invalid_value")
+        return list(p)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+def embedding_invalid(e: Exception) -> APIError:
+    """A 400 for an embedding request the engine refused, ``param`` the field it names."""
+    message = str(e)
+    first = message.split(" ", 1)[0]
+    param = {"prompt": "input", "dimensions": "dimensions", "truncate_prompt_tokens": "truncate_prompt_tokens"}
+    return APIError(400, message, param=param.get(first), code="invalid_value")
+
+
+def embedding_response(rid: str, model: str, outs: list[EmbeddingRequestOutput], encoding_format: str
+                       ) -> dict[str, Any]:
+    """OpenAI's ``list`` of ``embedding`` objects; base64: each vector's float32 bytes, little-endian."""
+    def encoded(v: list[float]):
+        if encoding_format == "base64":
+            return base64.b64encode(np.asarray(v, "<f4").tobytes()).decode("ascii")
+        return v
+
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(o.outputs.embedding)}
+                     for i, o in enumerate(outs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 
-from jaxpaged.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from jaxpaged.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, PositionLogprobs,
+                              RequestOutput)
+from jaxpaged.pooling import pool
 from jaxpaged.sequence import Request
 
 
@@ -27,7 +29,11 @@ class OutputProcessor:
         return [None if e is None else {t: lp.with_text(self._token_text(t)) for t, lp in e.items()}
                 for e in entries]
 
-    def make_output(self, req: Request) -> RequestOutput:
+    def make_output(self, req: Request) -> RequestOutput | EmbeddingRequestOutput:
+        if req.pooling is not None:  # (no embedding: aborted before its prompt's end was computed)
+            embedding = pool(req.hidden, req.pooling) if req.hidden is not None else []
+            return EmbeddingRequestOutput(req.request_id, EmbeddingOutput(embedding), list(req.prompt_token_ids),
+                                          req.finished, req.num_cached_tokens, req.prompt)
         p = req.params
         if req.is_beam_search:
             completions = self._beam_completions(req)

@@ -86,3 +86,24 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # [dimensions or hidden_size]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result (vLLM's ``EmbeddingRequestOutput``): ``outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None

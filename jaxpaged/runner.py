@@ -82,12 +82,13 @@ def split_model(model: Llama) -> tuple[_HashedOnce, tuple[jax.Array, ...]]:
 # The logits stay on the device between the two; the pool is donated to the model.
 # Jitted per geometry by StepPrograms (static_argnums=(0,), donate_argnums=(2,)).
 def _forward(structure: _HashedOnce, params: tuple[jax.Array, ...], kv: KVPool, tokens, md: AttentionMetadata,
-             logits_indices):
-    """The model over one padded batch: logits at ``logits_indices`` ([N, V]) and the new pool.
-    ``structure``, ``params``: from :func:`split_model`."""
+             logits_indices, *, return_hidden: bool = False):
+    """The model over one padded batch: logits at ``logits_indices`` ([N, V]) and the new pool;
+    with ``return_hidden`` (a step holding embedding requests) their final hidden states [N, D]
+    too. ``structure``, ``params``: from :func:`split_model`."""
     graphdef, treedef = structure.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    return model(tokens, kv, md, logits_indices=logits_indices)
+    return model(tokens, kv, md, logits_indices=logits_indices, return_hidden=return_hidden)
 
 
 def _bad_word_ends(row) -> list[int]:
@@ -305,7 +306,8 @@ class StepPrograms:
     """The jitted step and block moves over one geometry's pool (shared through :data:`PROGRAMS`)."""
 
     def __init__(self):
-        self.forward = ShapedJit(_forward, unkeyed_argnums=(1, 2), static_argnums=(0,), donate_argnums=(2,))
+        self.forward = ShapedJit(_forward, unkeyed_argnums=(1, 2), static_argnums=(0,), donate_argnums=(2,),
+                                 static_argnames=("return_hidden",))
         self.gather = ShapedJit(gather_blocks, unkeyed_argnums=(0,))
         self.scatter = ShapedJit(scatter_blocks, unkeyed_argnums=(0,), donate_argnums=(0,))
         self.copy = ShapedJit(copy_blocks, unkeyed_argnums=(0,), donate_argnums=(0,))
@@ -329,6 +331,7 @@ class InFlight:
     prompt_logprobs: object  # (logprobs, ranks, top ids, top logprobs) device arrays, or None
     rows: dict[int, int]  # sequence id -> the row that sampled its pending token
     sampler_args: object = None  # the forward's logits, until the sampler is launched
+    hidden: object = None  # [N, D] device array: the rows' hidden states, where embedding requests sample
 
 
 _DROPPED_ROW = SamplingParams(temperature=0, max_tokens=1)  # the options of a row whose token is dropped
@@ -484,9 +487,16 @@ class ModelRunner:
             decode_only=batch.decode_only, num_decode_rows=batch.num_decode_rows,
         )
         idx = np.concatenate([batch.logits_indices, batch.prompt_lp_indices])
-        self.compiled_shapes.add(("forward", *batch.shape_key))
-        logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
-        step = InFlight(batch, None, None, {r.seq.seq_id: i for i, r in enumerate(batch.rows)}, logits)
+        pooling = any(r.seq.request.pooling is not None for r in batch.rows)  # embeddings: their hidden states too
+        self.compiled_shapes.add(("forward+hidden" if pooling else "forward", *batch.shape_key))
+        hidden = None
+        if pooling:
+            logits, self.kv, hidden = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx,
+                                                            return_hidden=True)
+            hidden.copy_to_host_async()
+        else:
+            logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
+        step = InFlight(batch, None, None, {r.seq.seq_id: i for i, r in enumerate(batch.rows)}, logits, hidden)
         if not defer_sampling:
             self.launch_sampler(step)
         return step
@@ -569,14 +579,14 @@ class ModelRunner:
         if step is None:
             return RunnerOutput(None)
         t0 = time.perf_counter()
-        sampled, prompt_lp = jax.device_get((step.sampled, step.prompt_logprobs))
+        sampled, prompt_lp, hidden = jax.device_get((step.sampled, step.prompt_logprobs, step.hidden))
         self.time_device += time.perf_counter() - t0
         chunks, i = [], 0
         for group in step.batch.prompt_lp_rows:
             lps, ranks, top_ids, top_lps = (x[i:i + group.count] for x in prompt_lp)
             chunks.append(PromptLogprobs(group.seq.request, group.start, lps, ranks, top_ids, top_lps))
             i += group.count
-        return RunnerOutput(sampled, chunks)
+        return RunnerOutput(sampled, chunks, hidden)
 
 
 def _padded_pairs(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

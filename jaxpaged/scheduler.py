@@ -212,6 +212,7 @@ class PromptLogprobs:
 class RunnerOutput:
     sampled: SampledRows | None  # None when nothing sampled
     prompt_logprobs: list[PromptLogprobs] = dataclasses.field(default_factory=list)
+    hidden: np.ndarray | None = None  # [rows, D]: each sampling row's hidden state, where embeddings sampled
 
 
 class Scheduler:
@@ -763,6 +764,8 @@ class Scheduler:
                     if seq.finished:  # a stop among the sequence's accepted drafts: the rest are dropped
                         seq.num_pending = 0
                         break
+                    if req.pooling is not None:  # an embedding: its prompt's last hidden state; it ends here
+                        req.hidden = result.hidden[i]
                     self._append(seq, tokens[i], logprobs[i],
                                  self._entry(req, sampled, i, tokens[i], ranks[i], logprobs[i]))
             if not req.live_seqs():

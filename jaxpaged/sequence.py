@@ -160,6 +160,10 @@ class Request:
         # parent has computed ``position`` tokens (a block boundary); then it shares the
         # parent's blocks up to there (see ``Scheduler._admit``).
         self.pending_forks: list[tuple[int, Sequence, Sequence]] = []
+        # An embedding request (jaxpaged.pooling): its prompt's last hidden state, set by the step
+        # that computes it (the request then ends, its one sampled token unused).
+        self.pooling = None  # PoolingParams
+        self.hidden: np.ndarray | None = None
 
     @property
     def is_beam_search(self) -> bool:

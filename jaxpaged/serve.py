@@ -2,8 +2,8 @@
 
 FastAPI + uvicorn over an :class:`~jaxpaged.async_engine.AsyncLLM`:
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with
-``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus) and
-vLLM's ``POST /tokenize`` and ``POST /detokenize``.
+``"stream": true``), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET
+/metrics`` (Prometheus) and vLLM's ``POST /tokenize`` and ``POST /detokenize``.
 A client that disconnects aborts its requests at once, freeing their blocks.
 
     jaxpaged-serve --port 8000 --max-num-seqs 64
@@ -34,7 +34,8 @@ from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedErr
 from jaxpaged.chat_template import ChatTemplateError, check_syntax, load_chat_template, template_kwargs
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      TokenizeRequest, chat_logprobs, chat_response, completion_response, invalid)
+                                      EmbeddingRequest, TokenizeRequest, chat_logprobs, chat_response,
+                                      completion_response, embedding_invalid, embedding_response, invalid)
 from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, ResponseStore, Stored, as_responses_error,
                                       conversation_after, final_status, item_page, new_response_id, now, plain,
                                       reply_stream, response_body)
@@ -319,6 +320,22 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         stored_response(response_id)
         responses_store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request):
+        """Each input's embedding (:mod:`jaxpaged.pooling`), run beside the generation requests."""
+        check_model(body.model)
+        rid = f"embd-{uuid.uuid4().hex}"
+        inputs = body.inputs()
+        try:
+            streams = await engine.add_requests(inputs, None, [f"{rid}-{i}" for i in range(len(inputs))],
+                                                priority=body.priority, pooling=body.pooling_params())
+        except (ValueError, TypeError) as e:
+            raise embedding_invalid(e) from None
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
+        return await respond(raw, streams, None,
+                             lambda outs: embedding_response(rid, served_model_name, outs, body.encoding_format))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

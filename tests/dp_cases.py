@@ -197,6 +197,18 @@ def test_drafts_on_two_replicas_give_the_tokens_of_one_without(model, dp_attenti
     assert llm.stats()["num_used_blocks"] == 0
 
 
+def test_embeddings_on_two_replicas_and_refused_with_dp_attention(model):
+    """Two replicas embed as one engine does (each replica's runner returns its hidden states);
+    the joint dp-attention program returns none, so embedding requests are refused there."""
+    prompts = _requests(model.config.vocab_size)[0][:6]
+    want = LLM(model, **ENGINE).embed(prompts, use_tqdm=False)
+    got = LLM(model, data_parallel_size=2, **ENGINE).embed(prompts, use_tqdm=False)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="not supported with enable_dp_attention"):
+        LLM(model, data_parallel_size=2, enable_dp_attention=True, **ENGINE).embed(prompts, use_tqdm=False)
+
+
 def test_errors_name_the_setting(model):
     with pytest.raises(ValueError, match="data_parallel_size=3 needs 3 devices, but only 2"):
         LLM(model, data_parallel_size=3, **ENGINE)

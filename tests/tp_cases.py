@@ -174,8 +174,10 @@ def test_qwen_logits_and_engine_match_one_device(tiny_qwen):
     for step, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0, err_msg=f"step {step}")
     prompts = [p for p in PROMPTS if max(p) < lm.config.vocab_size]
-    ref = LLM(lm, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
-    assert_same_outputs(LLM(tiny_qwen, tensor_parallel_size=2, **ENGINE).generate(prompts, GREEDY, use_tqdm=False), ref)
+    one, two = LLM(lm, **ENGINE), LLM(tiny_qwen, tensor_parallel_size=2, **ENGINE)
+    assert_same_outputs(two.generate(prompts, GREEDY, use_tqdm=False), one.generate(prompts, GREEDY, use_tqdm=False))
+    for a, b in zip(two.embed(prompts, use_tqdm=False), one.embed(prompts, use_tqdm=False)):  # hidden states too
+        np.testing.assert_allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5, rtol=0)
 
 
 def test_swap_preemption_keeps_the_pool_sharded(tiny, engines):

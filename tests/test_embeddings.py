@@ -1,0 +1,141 @@
+"""Embeddings (``LLM.embed``, ``AsyncLLM.encode``, ``POST /v1/embeddings``): each prompt's last
+hidden state after the final norm, against transformers' ``last_hidden_state`` in float32; run
+through the paged engine beside generation requests (chunked, prefix cached, preempted)."""
+
+import base64
+
+import numpy as np
+import openai
+import pytest
+import torch
+from conftest import QWEN_SHAPES, make_tiny_qwen
+from test_server import KEY, MODEL, Running
+
+from jaxpaged import LLM, PoolingParams, SamplingParams
+from jaxpaged.async_engine import AsyncLLM
+from jaxpaged.loader import load_model
+
+V = QWEN_SHAPES["vocab_size"]
+PROMPTS = [np.random.default_rng(i).integers(0, V, n).tolist() for i, n in enumerate((1, 7, 23, 41, 16))]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3-embed")
+    hf = make_tiny_qwen(folder, "qwen3", tie=False)
+    return load_model(folder), hf
+
+
+def hf_last_hidden(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        return hf.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+
+
+def unit(x):
+    return x / np.linalg.norm(x)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_embeddings_are_transformers_last_hidden_state(qwen, async_scheduling):
+    """Prompts of 1 to 41 tokens in chunks of 16 (chunked prefill), normalized, raw, cut to fewer
+    dimensions; the blocks all freed after."""
+    lm, hf = qwen
+    llm = LLM(lm, num_blocks=64, block_size=4, max_num_batched_tokens=16, async_scheduling=async_scheduling,
+              debug_checks=True)
+    want = [hf_last_hidden(hf, p) for p in PROMPTS]
+    outs = llm.embed(PROMPTS, use_tqdm=False)
+    for p, o, w in zip(PROMPTS, outs, want):
+        assert o.finished and o.prompt_token_ids == p and len(o.outputs.embedding) == QWEN_SHAPES["hidden_size"]
+        np.testing.assert_allclose(o.outputs.embedding, unit(w), atol=2e-6, rtol=0)
+    raw = llm.embed(PROMPTS[2], PoolingParams(normalize=False), use_tqdm=False)[0]
+    np.testing.assert_allclose(raw.outputs.embedding, want[2], atol=1e-4, rtol=1e-5)
+    cut = llm.embed(PROMPTS[3], PoolingParams(dimensions=24), use_tqdm=False)[0]
+    np.testing.assert_allclose(cut.outputs.embedding, unit(want[3][:24]), atol=2e-6, rtol=0)
+    kept = llm.embed(PROMPTS[3], truncate_prompt_tokens=10, use_tqdm=False)[0]
+    assert kept.prompt_token_ids == PROMPTS[3][-10:]
+    np.testing.assert_allclose(kept.outputs.embedding, unit(hf_last_hidden(hf, PROMPTS[3][-10:])), atol=2e-6, rtol=0)
+    assert llm.stats()["num_used_blocks"] == 0
+
+
+def test_embeddings_beside_generation_under_preemption_and_prefix_hits(qwen):
+    """A pool too small for everything at once: generation requests and embeddings share the
+    steps, requests are preempted, an embedding repeated hits the prefix cache; every completion
+    is the one it gets alone and every embedding transformers'."""
+    lm, hf = qwen
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = LLM(lm, num_blocks=128, block_size=4).generate(PROMPTS[1:], greedy, use_tqdm=False)
+    llm = LLM(lm, num_blocks=24, block_size=4, max_num_batched_tokens=16, max_num_seqs=4, debug_checks=True)
+    ids = [llm.add_request(p, greedy) for p in PROMPTS[1:]]
+    outs = llm.embed(PROMPTS[::-1] + [PROMPTS[3]], use_tqdm=False)
+    for p, o in zip(PROMPTS[::-1] + [PROMPTS[3]], outs):
+        np.testing.assert_allclose(o.outputs.embedding, unit(hf_last_hidden(hf, p)), atol=2e-6, rtol=0)
+    assert outs[-1].num_cached_tokens > 0  # the second time, its full blocks came from the cache
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert [done[i].outputs[0].token_ids for i in ids] == [a.outputs[0].token_ids for a in alone]
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["num_used_blocks"] == 0
+
+
+def test_bad_pooling_params_are_refused_before_any_work(qwen):
+    llm = LLM(qwen[0], num_blocks=32, block_size=4)
+    for bad in (0, QWEN_SHAPES["hidden_size"] + 1, True):
+        with pytest.raises(ValueError, match=r"dimensions must be an int in \[1, 64\]"):
+            llm.embed(PROMPTS[:2], PoolingParams(dimensions=bad), use_tqdm=False)
+    with pytest.raises(TypeError, match="pooling params must be PoolingParams"):
+        llm.embed(PROMPTS[0], {"dimensions": 3}, use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+
+
+def test_async_encode_yields_one_finished_output(qwen):
+    import asyncio
+
+    lm, hf = qwen
+
+    async def run():
+        engine = AsyncLLM(LLM(lm, num_blocks=32, block_size=4))
+        try:
+            return [o async for o in engine.encode({"prompt_token_ids": PROMPTS[2]})]
+        finally:
+            engine.shutdown()
+
+    outs = asyncio.run(run())
+    assert len(outs) == 1 and outs[0].finished
+    np.testing.assert_allclose(outs[0].outputs.embedding, unit(hf_last_hidden(hf, PROMPTS[2])), atol=2e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine_model):
+    s = Running(LLM(tiny_engine_model, max_num_seqs=8, num_blocks=256, block_size=16))
+    yield s
+    s.stop()
+
+
+def test_server_embeddings_match_the_offline_engine(served, tiny_engine_model):
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    texts = ["Paged attention splits the KV cache into blocks.", "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"]
+    offline = LLM(tiny_engine_model, num_blocks=64, block_size=16).embed(texts, use_tqdm=False)
+    got = client.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in got.data] == [0, 1, 2]
+    for d, o in zip(got.data, offline):
+        np.testing.assert_allclose(d.embedding, o.outputs.embedding, atol=1e-6, rtol=0)
+    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(len(o.prompt_token_ids) for o in offline)
+    b64 = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="base64", dimensions=32)
+    vec = np.frombuffer(base64.b64decode(b64.data[0].embedding), "<f4")
+    want = np.asarray(offline[0].outputs.embedding[:32])
+    np.testing.assert_allclose(vec, want / np.linalg.norm(want), atol=1e-6, rtol=0)
+    ids = client.embeddings.create(model=MODEL, input=[offline[1].prompt_token_ids])
+    np.testing.assert_allclose(ids.data[0].embedding, offline[1].outputs.embedding, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("body,param", [({"input": "hi", "dimensions": 10_000}, "dimensions"),
+                                        ({"input": []}, "input"), ({"input": ["a", ""]}, "input"),
+                                        ({"input": [[5] * 600]}, "input"),
+                                        ({"input": "hi", "encoding_format": "bytes"}, "encoding_format")])
+def test_server_refuses_bad_embedding_requests_naming_the_field(served, body, param):
+    import httpx
+
+    r = httpx.post(served.url + "/v1/embeddings", json={"model": MODEL, **body},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert served.llm.bm.stats().num_used_blocks == 0
