@@ -35,9 +35,9 @@ from jaxpaged.input_processor import InputProcessor, PromptType, chat_messages, 
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
-from jaxpaged.pooling import PoolingParams
 from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
+from jaxpaged.pooling import PoolingParams
 from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -300,7 +300,7 @@ class LLM:
         the paged engine like any request, beside generation ones; outputs come back in input
         order, ``out.outputs.embedding`` a list of floats."""
         params = pooling_params if pooling_params is not None else PoolingParams()
-        if truncate_prompt_tokens is not None:
+        if truncate_prompt_tokens is not None and isinstance(params, PoolingParams):  # (others: refused below)
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         # All validated before any is queued: a bad prompt queues nothing.
         reqs = [self.inputs.process(p, None, None, self._live(), pooling=params)

@@ -26,8 +26,8 @@ class PoolingParams:
         dimensions: keep the first ``dimensions`` of the hidden state (Matryoshka embeddings);
             None: all ``hidden_size``.
         normalize: L2-normalize the embedding (after the cut).
-        truncate_prompt_tokens: keep only the prompt's last ``k`` tokens; -1: the last
-            ``max_model_len``.
+        truncate_prompt_tokens: keep only the prompt's last ``k`` tokens; -1: as many as fit
+            (``max_model_len - 1``: an embedding runs as a request of one token).
     """
 
     dimensions: int | None = None
