@@ -104,9 +104,12 @@ def test_async_encode_yields_one_finished_output(qwen):
     np.testing.assert_allclose(outs[0].outputs.embedding, unit(hf_last_hidden(hf, PROMPTS[2])), atol=2e-6, rtol=0)
 
 
+SERVED = dict(max_num_seqs=8, num_blocks=256, block_size=16)  # the offline engine's too: one geometry's programs
+
+
 @pytest.fixture(scope="module")
 def served(tiny_engine_model):
-    s = Running(LLM(tiny_engine_model, max_num_seqs=8, num_blocks=256, block_size=16))
+    s = Running(LLM(tiny_engine_model, **SERVED))
     yield s
     s.stop()
 
@@ -114,7 +117,7 @@ def served(tiny_engine_model):
 def test_server_embeddings_match_the_offline_engine(served, tiny_engine_model):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     texts = ["Paged attention splits the KV cache into blocks.", "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"]
-    offline = LLM(tiny_engine_model, num_blocks=64, block_size=16).embed(texts, use_tqdm=False)
+    offline = LLM(tiny_engine_model, **SERVED).embed(texts, use_tqdm=False)
     got = client.embeddings.create(model=MODEL, input=texts)
     assert [d.index for d in got.data] == [0, 1, 2]
     for d, o in zip(got.data, offline):
