@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jaxpaged.chat_template import load_chat_template
 from jaxpaged.generation_config import default_sampling_overrides, for_request
+from jaxpaged.input_processor import RUNNERS
 from jaxpaged.reasoning import REASONING_PARSERS
 
 PROG = "jaxpaged-generate"
@@ -77,6 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--speculative-config", type=_json_object,
                    help='speculative decoding with n-gram drafts, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+    e.add_argument("--runner", choices=RUNNERS, default="auto",
+                   help="vLLM's: generate (completions only), pooling (embeddings only), auto (both)")
     e.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="a reasoning model's think tags (deepseek_r1, qwen3: <think>...</think>): structured outputs "
                         "start after the reasoning; the server returns it as the reply's reasoning")
@@ -95,7 +98,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size,
                 enable_dp_attention=args.enable_dp_attention, speculative_config=args.speculative_config,
                 generation_config=args.generation_config, scheduling_policy=args.scheduling_policy,
-                reasoning_parser=args.reasoning_parser)
+                reasoning_parser=args.reasoning_parser, runner=args.runner)
 
 
 def build_parser() -> argparse.ArgumentParser:

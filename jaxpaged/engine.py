@@ -31,7 +31,7 @@ from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
 from jaxpaged.generation_config import default_sampling_overrides, for_request
-from jaxpaged.input_processor import InputProcessor, PromptType, chat_messages, pair_prompts
+from jaxpaged.input_processor import RUNNERS, InputProcessor, PromptType, chat_messages, pair_prompts
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.model import runtime_form
@@ -118,6 +118,8 @@ class LLM:
         repetition_penalty, max_new_tokens) are those of requests that give no parameters,
         as in vLLM (:mod:`jaxpaged.generation_config`); ``"vllm"``: jaxpaged's own; or a
         folder whose ``generation_config.json`` to take.
+      runner: vLLM's: ``"generate"`` (completions only), ``"pooling"`` (embeddings only,
+        :meth:`embed`), or ``"auto"``, both, side by side in the same steps.
       reasoning_parser: a reasoning model's think tags (``"deepseek_r1"``, ``"qwen3"``: vLLM's names; see
         :mod:`jaxpaged.reasoning`): a structured output's grammar then starts after the
         reasoning, so the model thinks freely first; the server splits replies into
@@ -132,8 +134,10 @@ class LLM:
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
                  kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False,
                  speculative_config: SpeculativeConfig | dict | None = None, generation_config: str | Path = "auto",
-                 scheduling_policy: str = "fcfs", reasoning_parser: str | None = None):
+                 scheduling_policy: str = "fcfs", reasoning_parser: str | None = None, runner: str = "auto"):
         check_reasoning_parser(reasoning_parser)  # a bad name fails before loading
+        if runner not in RUNNERS:
+            raise ValueError(f"runner={runner!r}; choose from {RUNNERS}")
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
@@ -217,6 +221,7 @@ class LLM:
                                      check_request=self.scheduler.check_request, seed=seed, eos_ids=self.eos_ids,
                                      default_params=self.get_default_sampling_params(), reasoning=self.reasoning,
                                      hidden_size=cfg.hidden_size)
+        self.inputs.runner = runner
         if isinstance(self.runner, DPAttentionRunner):
             self.inputs.no_pooling = ("embedding requests are not supported with enable_dp_attention (its joint step "
                                       "returns no hidden states); use data_parallel_size without it")

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 PromptType = str | list[int] | dict[str, Any]
 
 
+# vLLM's runner kinds: "auto" takes generation and embedding requests, the others one kind.
+RUNNERS = ("auto", "generate", "pooling")
+
+
 def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None) -> list[tuple[PromptType, SamplingParams]]:
     """One prompt or a list, with one ``SamplingParams`` for all or one each → pairs."""
@@ -156,6 +160,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.hidden_size = hidden_size  # what an embedding's dimensions may be (None: any)
         self.no_pooling: str | None = None  # why this engine cannot run embedding requests, if it cannot
+        self.runner = "auto"  # the engine's (RUNNERS): which kinds of request it takes
         self.reasoning = reasoning
         self.default_params = SamplingParams() if default_params is None else default_params
         self.grammars = Grammars(tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
@@ -280,6 +285,10 @@ class InputProcessor:
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
         """
+        if (pooling is None and self.runner == "pooling") or (pooling is not None and self.runner == "generate"):
+            kind, other = ("completions", "LLM.embed, /v1/embeddings") if pooling is None else \
+                ("embeddings", "generate, chat, the completion endpoints")
+            raise ValueError(f"this engine runs with runner={self.runner!r}: no {kind} (it serves {other} only)")
         if pooling is not None:
             if self.no_pooling is not None:
                 raise ValueError(self.no_pooling)

@@ -87,6 +87,24 @@ def test_bad_pooling_params_are_refused_before_any_work(qwen):
     assert not llm.has_unfinished_requests()
 
 
+def test_runner_takes_one_kind_of_request_or_both(qwen):
+    """vLLM's ``runner``: ``"pooling"`` embeds and refuses completions, ``"generate"`` the reverse,
+    ``"auto"`` (the default) takes both; a bad name fails before the engine is built."""
+    lm = qwen[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    pooling = LLM(lm, num_blocks=32, block_size=4, runner="pooling")
+    assert len(pooling.embed(PROMPTS[1], use_tqdm=False)[0].outputs.embedding) == QWEN_SHAPES["hidden_size"]
+    with pytest.raises(ValueError, match=r"runner='pooling': no completions"):
+        pooling.generate(PROMPTS[1], greedy, use_tqdm=False)
+    generate = LLM(lm, num_blocks=32, block_size=4, runner="generate")
+    assert len(generate.generate(PROMPTS[1], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match=r"runner='generate': no embeddings"):
+        generate.embed(PROMPTS[1], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"runner='classify'; choose from \('auto', 'generate', 'pooling'\)"):
+        LLM(lm, runner="classify")
+    assert not pooling.has_unfinished_requests() and not generate.has_unfinished_requests()
+
+
 def test_async_encode_yields_one_finished_output(qwen):
     import asyncio
 
@@ -142,3 +160,12 @@ def test_server_refuses_bad_embedding_requests_naming_the_field(served, body, pa
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert served.llm.bm.stats().num_used_blocks == 0
+
+
+def test_the_runner_flag_reaches_the_engine():
+    from jaxpaged.cli import build_parser, engine_kwargs
+    from jaxpaged.serve import build_parser as serve_parser
+
+    assert engine_kwargs(build_parser().parse_args(["hi", "--runner", "pooling"]))["runner"] == "pooling"
+    assert engine_kwargs(serve_parser().parse_args(["--runner", "generate"]))["runner"] == "generate"
+    assert engine_kwargs(build_parser().parse_args(["hi"]))["runner"] == "auto"
