@@ -53,9 +53,9 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
         if rs.truncate:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, hd - 1)
+        # 0: the frequency as trained (it turns fast), 1: divided by the factor, linear between.
         ramp = np.clip((np.arange(hd // 2, dtype=np.float64) - low) / max(high - low, 1e-3), 0.0, 1.0)
-        keep = 1.0 - ramp  # 1: the frequency as trained (fast turns); 0: interpolated by the factor
-        inv_freq = inv_freq / rs.factor * (1.0 - keep) + inv_freq * keep
+        inv_freq = inv_freq * (1.0 - ramp) + inv_freq / rs.factor * ramp
     elif rs is not None:
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor

@@ -123,6 +123,26 @@ def test_sliding_window_attention_is_refused(extra):
         LlamaConfig.from_hf(d)
 
 
+def test_mistral_matches_transformers_within_its_window(tmp_path):
+    """A Mistral with a sliding window of 32 keys: up to 32 tokens that is full attention, so the
+    logits are transformers'; the engine's length stops there."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(MistralConfig(**SHAPES, sliding_window=32)).eval()
+    hf.save_pretrained(tmp_path)
+    lm = load_model(tmp_path, dtype=np.float32, attention_backend="xla")
+    assert lm.config.max_position_embeddings == 32
+    ids = np.random.default_rng(5).integers(0, SHAPES["vocab_size"], 30).tolist()
+    md = step_metadata([0], [len(ids)], block_size=BS, blocks_per_seq=8)
+    for model in (lm.model, lm.model.unstacked()):
+        logits, _ = model(np.array(ids, np.int32), init_kv_pool(2, 9, 2, BS, 16), md)
+        np.testing.assert_allclose(np.asarray(logits), hf_logits(hf, ids), atol=1e-4, rtol=0)
+    llm = LLM(lm, num_blocks=32, block_size=BS)
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        llm.generate([ids + ids[:5]], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
 def test_mistral_with_a_window_runs_up_to_it():
     """Mistral-7B-v0.1 attends to the last 4,096 keys in every layer: exactly full attention up to
     that length, which becomes the model's maximum."""
