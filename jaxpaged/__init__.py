@@ -32,7 +32,7 @@ _EXPORTS = {
     "BeamSearchSequence": "jaxpaged.outputs",
     "StructuredOutputsParams": "jaxpaged.structured_output", "SpeculativeConfig": "jaxpaged.spec_decode",
     "PoolingParams": "jaxpaged.pooling", "EmbeddingRequestOutput": "jaxpaged.outputs",
-    "EmbeddingOutput": "jaxpaged.outputs",
+    "EmbeddingOutput": "jaxpaged.outputs", "LoRARequest": "jaxpaged.lora",
 }
 
 
@@ -50,5 +50,6 @@ __all__ = [
     "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
     "RequestMetrics", "load_model", "LoadedModel", "CheckpointError", "SpeculativeConfig", "BeamSearchParams",
     "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput",
+    "LoRARequest",
 ]
 __version__ = "0.1.0"

@@ -89,6 +89,9 @@ class Batch:
     # Rows [0, num_decode_rows) hold one token each, tokens [0, num_decode_rows), and form a
     # decode batch of their own; 0 when the step is not split (see the module docstring).
     num_decode_rows: int = 0
+    # [T] int32: each token's LoRA adapter slot (-1: none; jaxpaged.lora), None in a step
+    # without adapters.
+    lora_slots: np.ndarray | None = None
 
     @property
     def shape_key(self) -> tuple:
@@ -99,14 +102,16 @@ class Batch:
 
 
 def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: int, token_floor: int = 8,
-                pending_rows: Mapping[int, int] | None = None, split_decodes: bool = False) -> Batch:
+                pending_rows: Mapping[int, int] | None = None, split_decodes: bool = False,
+                seq_lora: np.ndarray | None = None) -> Batch:
     """Padded arrays for one step, from what the scheduler decided (block tables included).
 
     The scheduler's block moves (``out.block_ops``) are the runner's to apply, before the step.
     ``pending_rows`` maps a sequence id to the row of the previous step that sampled its
     pending token (async scheduling); a chunk may end with that token, and ``token_src``
     says where the device finds it. ``split_decodes``: lay a mixed step out as its
-    one-token rows, then the others (see the module docstring).
+    one-token rows, then the others (see the module docstring). ``seq_lora``: each scheduled
+    sequence's LoRA adapter slot (-1: none), given to its tokens.
     """
     sched = out.scheduled
     num_seqs = len(sched)
@@ -216,5 +221,9 @@ def build_batch(out: SchedulerOutput, *, block_size: int, max_blocks_per_seq: in
     if num_lp:
         pi[:num_lp] = np.concatenate(lp_idx)
         pt[:num_lp] = np.concatenate(lp_tgt)
+    lora_slots = None
+    if seq_lora is not None:
+        lora_slots = np.full(T, -1, np.int32)
+        lora_slots[tok_index] = np.repeat(seq_lora, counts)
     return Batch(tokens, positions, slots, block_tables, context_lens, qsl, decode_only, li, rows,
-                 pi, pt, lp_rows, num_tokens, token_src, D)
+                 pi, pt, lp_rows, num_tokens, token_src, D, lora_slots)

@@ -31,9 +31,10 @@ from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
 from jaxpaged.generation_config import default_sampling_overrides, for_request
-from jaxpaged.input_processor import RUNNERS, InputProcessor, PromptType, chat_messages, pair_prompts
+from jaxpaged.input_processor import RUNNERS, InputProcessor, PromptType, chat_messages, pair_prompts, per_prompt_lora
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
+from jaxpaged.lora import LoRAConfig, LoRAManager, LoRARequest
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
@@ -124,6 +125,13 @@ class LLM:
         :mod:`jaxpaged.reasoning`): a structured output's grammar then starts after the
         reasoning, so the model thinks freely first; the server splits replies into
         ``reasoning`` and ``content``. The tokenizer must hold the tags as tokens.
+      enable_lora: serve LoRA adapters (vLLM's multi-LoRA): a request's ``lora_request``
+        (a :class:`~jaxpaged.lora.LoRARequest` naming a PEFT folder) runs the base model with
+        that adapter's low-rank updates, beside requests of other adapters and of none
+        (:mod:`jaxpaged.lora`).
+      max_loras: most adapters on the device at once (and among the running requests).
+      max_lora_rank: most rank of an adapter (device memory per slot follows it).
+      max_cpu_loras: most adapters kept loaded on the host (default ``max_loras``).
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int | None = None,
@@ -134,8 +142,14 @@ class LLM:
                  kv_allocator: str = "paged", tensor_parallel_size: int = 1, async_scheduling: bool = True,
                  kv_cache_dtype: str = "auto", data_parallel_size: int = 1, enable_dp_attention: bool = False,
                  speculative_config: SpeculativeConfig | dict | None = None, generation_config: str | Path = "auto",
-                 scheduling_policy: str = "fcfs", reasoning_parser: str | None = None, runner: str = "auto"):
+                 scheduling_policy: str = "fcfs", reasoning_parser: str | None = None, runner: str = "auto",
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None):
         check_reasoning_parser(reasoning_parser)  # a bad name fails before loading
+        lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
+        if lora_config is not None and enable_dp_attention:
+            raise ValueError("enable_lora is not supported with enable_dp_attention; use data_parallel_size "
+                             "without it")
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}; choose from {RUNNERS}")
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
@@ -186,10 +200,12 @@ class LLM:
             scheduler = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, eos_ids=self.eos_ids,
                                   preemption_mode=preemption_mode, speculative_config=args.speculative_config,
-                                  scheduling_policy=scheduling_policy)
+                                  scheduling_policy=scheduling_policy,
+                                  max_loras=None if lora_config is None else lora_config.max_loras)
             runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size,
                                  max_model_len=self.max_model_len, eos_ids=self.eos_ids,
-                                 num_host_blocks=bm.num_host_blocks, dtype=self.kv_cache_dtype, device=device)
+                                 num_host_blocks=bm.num_host_blocks, dtype=self.kv_cache_dtype, device=device,
+                                 lora_config=lora_config)
             return bm, scheduler, runner
 
         if replica_devices is None:
@@ -222,6 +238,7 @@ class LLM:
                                      default_params=self.get_default_sampling_params(), reasoning=self.reasoning,
                                      hidden_size=cfg.hidden_size)
         self.inputs.runner = runner
+        self.inputs.lora = None if lora_config is None else LoRAManager(cfg, lora_config)
         if isinstance(self.runner, DPAttentionRunner):
             self.inputs.no_pooling = ("embedding requests are not supported with enable_dp_attention (its joint step "
                                       "returns no hidden states); use data_parallel_size without it")
@@ -247,10 +264,12 @@ class LLM:
         return ChainMap(self.core.requests, self._unclaimed, self._claimed)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; returns its id. Raises before any work if it is invalid.
-        ``priority``: lower runs first (needs ``scheduling_policy="priority"``)."""
-        req = self.inputs.process(prompt, params, request_id, self._live(), priority)
+        ``priority``: lower runs first (needs ``scheduling_policy="priority"``); ``lora_request``:
+        its LoRA adapter (needs ``enable_lora=True``)."""
+        req = self.inputs.process(prompt, params, request_id, self._live(), priority, lora_request=lora_request)
         self.core.add(req)
         return req.request_id
 
@@ -284,22 +303,28 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType], sampling_params: SamplingParams
                  | Seq[SamplingParams] | None = None, *, use_tqdm: bool = True,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate completions for one or many prompts; outputs come back in input order.
-        ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``)."""
+        ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``);
+        ``lora_request``: the LoRA adapter of every prompt, or a list of one per prompt (None:
+        the base model; needs ``enable_lora=True``)."""
         pairs = pair_prompts(prompts, sampling_params)
         if priority is None:
             priority = [0] * len(pairs)
         elif (isinstance(priority, (str, bytes)) or not isinstance(priority, (Seq, np.ndarray))
               or (isinstance(priority, np.ndarray) and priority.ndim != 1) or len(priority) != len(pairs)):
             raise ValueError(f"priority must be a list of one int per prompt ({len(pairs)}), got {priority!r}")
+        loras = per_prompt_lora(lora_request, len(pairs))
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
-        for (p, sp), prio in zip(pairs, priority):
-            reqs.append(self.inputs.process(p, sp, None, self._live(), prio))  # auto ids: distinct among themselves
+        for (p, sp), prio, lora in zip(pairs, priority, loras):
+            # auto ids: distinct among themselves
+            reqs.append(self.inputs.process(p, sp, None, self._live(), prio, lora_request=lora))
         return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="generate")
 
     def embed(self, prompts: PromptType | Seq[PromptType], pooling_params: PoolingParams | None = None, *,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """Embed one or many prompts (vLLM's ``LLM.embed``): each prompt's last-token hidden state
         after the final norm, L2-normalized (see :mod:`jaxpaged.pooling`). The prompts run through
         the paged engine like any request, beside generation ones; outputs come back in input
@@ -308,8 +333,9 @@ class LLM:
         if truncate_prompt_tokens is not None and isinstance(params, PoolingParams):  # (others: refused below)
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         # All validated before any is queued: a bad prompt queues nothing.
-        reqs = [self.inputs.process(p, None, None, self._live(), pooling=params)
-                for p, _ in pair_prompts(prompts, None)]
+        pairs = pair_prompts(prompts, None)
+        reqs = [self.inputs.process(p, None, None, self._live(), pooling=params, lora_request=lora)
+                for (p, _), lora in zip(pairs, per_prompt_lora(lora_request, len(pairs)))]
         return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="embed")
 
     def _run_to_completion(self, reqs: list[Request], *, use_tqdm: bool, desc: str) -> list:
@@ -352,7 +378,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the model's chat template.
 
         A message is a dict with a str ``role`` and a ``content`` that is a str or a list of
@@ -378,7 +405,7 @@ class LLM:
         prompts = [self.chat_prompt(c, add_generation_prompt, tools=tools,
                                     what=f"conversation {i}" if len(convs) > 1 else "messages", **options)
                    for i, c in enumerate(convs)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _check_chat_template(self, chat_template: str | None) -> None:
         if self.tokenizer is None:
@@ -405,14 +432,15 @@ class LLM:
         return self.chat_prompt(conversation, add_generation_prompt, tools=tools, **options)["prompt_token_ids"]
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, *,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first
         (the same search as ``generate`` with ``SamplingParams(use_beam_search=True)``); a
         sequence's ``tokens`` and ``text`` include the prompt's (the text not a final EOS)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         results = []
-        for out in self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm):
+        for out in self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request):
             beams = []
             for c in out.outputs:
                 tokens = [*out.prompt_token_ids, *c.token_ids]
@@ -424,7 +452,8 @@ class LLM:
             results.append(BeamSearchOutput(beams))
         return results
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+               lora_request: LoRARequest | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated (deltas of the first completion).
 
         Text that could still turn out to be the start of a stop string (its last
@@ -433,10 +462,12 @@ class LLM:
         (with ``include_stop_str_in_output`` nothing is held back: the stop string stays).
         """
         text, ids, params = self.inputs.check(prompt, sampling_params)  # raises here, not at the first next()
-        return self._stream({"prompt": text, "prompt_token_ids": ids}, params)
+        # Processed (its adapter loaded and checked) here too; queued at the first next().
+        req = self.inputs.process({"prompt": text, "prompt_token_ids": ids}, params, None, self._live(),
+                                  lora_request=lora_request)
+        return self._stream(req)
 
-    def _stream(self, prompt: dict[str, Any], sampling_params: SamplingParams) -> Iterator[str]:
-        req = self.inputs.process(prompt, sampling_params, None, self._live())  # queued at the first next()
+    def _stream(self, req: Request) -> Iterator[str]:
         inbox: dict[str, Request] = {}
         self.core.add(req)
         self._claimed[req.request_id] = inbox

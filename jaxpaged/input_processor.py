@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxpaged.beam_search import BeamSearch
 from jaxpaged.detokenizer import Detokenizer
+from jaxpaged.lora import LoRARequest
 from jaxpaged.pooling import PoolingParams
 from jaxpaged.pooling import sampling_params as pooling_sampling_params
 from jaxpaged.sampling_params import SamplingParams
@@ -48,6 +49,17 @@ def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: Sa
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         return list(zip(prompts, sampling_params))
     return [(p, sampling_params) for p in prompts]  # (None: the engine's default, see InputProcessor)
+
+
+def per_prompt_lora(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                    num_prompts: int) -> list[LoRARequest | None]:
+    """One LoRA request (or None) for every prompt, or a list of one each → one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)) or len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request must be a LoRARequest or a list of one per prompt ({num_prompts}), "
+                         f"got {lora_request!r}")
+    return list(lora_request)
 
 
 def check_unicode(text: str, what: str) -> None:
@@ -160,6 +172,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.hidden_size = hidden_size  # what an embedding's dimensions may be (None: any)
         self.no_pooling: str | None = None  # why this engine cannot run embedding requests, if it cannot
+        self.lora = None  # the engine's LoRA adapters (jaxpaged.lora.LoRAManager); None: it serves none
         self.runner = "auto"  # the engine's (RUNNERS): which kinds of request it takes
         self.reasoning = reasoning
         self.default_params = SamplingParams() if default_params is None else default_params
@@ -275,12 +288,14 @@ class InputProcessor:
         return text, ids, params, bad_words
 
     def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
-                live: Container[str], priority: int = 0, pooling: PoolingParams | None = None) -> Request:
+                live: Container[str], priority: int = 0, pooling: PoolingParams | None = None,
+                lora_request: LoRARequest | None = None) -> Request:
         """A validated request (:meth:`check`), not queued yet.
 
         Args:
           live: ids in use; a user id among them is refused, an automatic id skips them.
           pooling: an embedding request's (:mod:`jaxpaged.pooling`; ``params`` are then its own).
+          lora_request: its LoRA adapter (:mod:`jaxpaged.lora`), loaded and checked here.
 
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
@@ -297,6 +312,12 @@ class InputProcessor:
             pooling.verify(self.hidden_size)
             params = pooling_sampling_params(pooling)
         text, ids, params, bad_words = self._check(prompt, params, priority)
+        lora = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r}: this engine "
+                                 f"serves no LoRA adapters (start it with enable_lora=True)")
+            lora = self.lora.get(lora_request)
         if request_id is not None:
             request_id = str(request_id)
             if not request_id:
@@ -308,7 +329,7 @@ class InputProcessor:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 1 << 63))
         beam = BeamSearch(params.beam_width, params.length_penalty) if params.use_beam_search else None
         req = Request(request_id, text, ids, params, time.monotonic(), seed, beam, int(priority))
-        req.pooling = pooling
+        req.pooling, req.lora = pooling, lora
         if params.allowed_token_ids is not None:
             req.allowed_mask = allowed_bitmask(params.allowed_token_ids, self.vocab_size)
         if bad_words:

@@ -327,6 +327,26 @@ class DecoderLayer(nnx.Module):
             self.k_norm = nnx.Param(jnp.ones((H,), dtype))
 
 
+# The LoRA modules (jaxpaged.lora.MODULES) each group of lora_deltas updates, by index.
+_LORA_GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
+
+
+def lora_deltas(lw, group: str, x: Float[Array, "T I"], precision):
+    """The LoRA updates of the projections of ``group`` (``"qkv"``, ``"o"``, ``"gate_up"``,
+    ``"down"``) of input ``x``: a tuple ``[T, out]`` for ``"qkv"`` and ``"gate_up"``, else one.
+    ``lw``: ``(rows [T, S], weights)``, each token's one-hot adapter slot (a zero row for none)
+    and the layer's ``(A [S, I, R], B [S, R, out])`` per module. Every slot's ``x A`` is
+    computed, the other slots' zeroed, and one product with all the ``B`` stacked sums the
+    token's own: two dense products, whatever the mix of adapters in the step."""
+    rows, weights = lw
+    out = []
+    for m in _LORA_GROUPS[group]:
+        a, b = weights[m]
+        t = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype), precision=precision) * rows[:, :, None]
+        out.append(jnp.einsum("tsr,sro->to", t, b.astype(x.dtype), precision=precision))
+    return tuple(out) if len(out) > 1 else out[0]
+
+
 def attention_inputs(cfg: LlamaConfig, p, q, k, v, *, add_bias: bool = True):
     """``q``, ``k``, ``v`` (``[T, heads, H]``, just projected) with what the architecture adds
     before RoPE: Qwen2's biases ``p.bq``, ``p.bk``, ``p.bv`` (``add_bias=False``: the caller
@@ -465,6 +485,7 @@ class Llama(nnx.Module):
         dp_axis: str | None = None,
         head_shard: Float[Array, "V/N D"] | None = None,
         return_hidden: bool = False,
+        lora: tuple | None = None,
     ) -> tuple[Float[Array, "S V"], KVPool] | tuple[Float[Array, "S V"], KVPool, Float[Array, "S D"]]:
         """Run one step. Returns logits at ``logits_indices`` (all tokens when None) and the new pool;
         with ``return_hidden`` also the hidden states there after the final norm, float32 (the
@@ -474,7 +495,11 @@ class Llama(nnx.Module):
         device's rows and pool run their attention here, the MLP is split over the axis (this
         device's gate/up columns and down rows for every device's rows: an all-gather before,
         a reduce-scatter after) and the logits come from ``head_shard``, this device's rows of
-        the ``[V, D]`` LM head, for every device's rows, gathered by vocabulary."""
+        the ``[V, D]`` LM head, for every device's rows, gathered by vocabulary.
+
+        ``lora``: ``(slot [T] int32, weights)``, the LoRA adapters' slot of each token (-1: none)
+        and :class:`~jaxpaged.lora.LoRASlots`' weights; each projection adds its token's
+        low-rank update (:func:`lora_deltas`)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -491,6 +516,17 @@ class Llama(nnx.Module):
             x = sharding.embed_tokens(mesh, self.embed[...], tokens)
         T = tokens.shape[0]
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if lora is not None:
+            if dp_axis is not None:
+                raise ValueError("LoRA is not supported with dp_axis")
+            lora_slot, lora_weights = lora
+            lora_rows = jax.nn.one_hot(lora_slot, lora_weights[0][0].shape[1], dtype=x.dtype)  # [T, S]; -1: zeros
+
+        def lora_layer(layer):
+            """This layer's LoRA weights and the tokens' slots, or None without LoRA."""
+            if lora is None:
+                return None
+            return lora_rows, jax.tree.map(lambda w: w[layer], lora_weights)
 
         def attention(kv, q, k, v, layer):
             q = apply_rope(q, md.positions, inv_freq, rope_scale)
@@ -508,22 +544,32 @@ class Llama(nnx.Module):
         if not self.is_stacked:  # per-layer arrays, the CPU form (see unstacked)
             dot = functools.partial(_cpu_dot, out_in=self.layers[0].out_in, precision=prec)
 
-            def qkv_proj(p, x):
+            def qkv_proj(p, x, lw):
                 h = rms_norm(x, p.input_norm[...], eps)
                 y = dot(h, p.wqkv[...])
                 if cfg.qkv_bias:
                     y = y + p.bqkv[...]
                 q, k, v = jnp.split(y, [N * H, (N + K) * H], axis=1)
+                if lw is not None:
+                    q, k, v = (t + d for t, d in zip((q, k, v), lora_deltas(lw, "qkv", h, prec)))
                 return attention_inputs(cfg, p, q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H),
                                         add_bias=False)
 
-            def out_proj_mlp(p, x, o):
-                x = x + dot(o.reshape(T, N * H), p.wo[...])
+            def out_proj_mlp(p, x, o, lw):
+                o = o.reshape(T, N * H)
+                x = x + dot(o, p.wo[...])
+                if lw is not None:
+                    x = x + lora_deltas(lw, "o", o, prec)
                 h = rms_norm(x, p.post_attn_norm[...], eps)
                 if dp_axis is not None:
                     h = jax.lax.all_gather(h, dp_axis, tiled=True)
                 g, u = jnp.split(dot(h, p.w_gate_up[...]), 2, axis=1)
-                y = dot(jax.nn.silu(g) * u, p.w_down[...])
+                if lw is not None:
+                    g, u = (t + d for t, d in zip((g, u), lora_deltas(lw, "gate_up", h, prec)))
+                a = jax.nn.silu(g) * u
+                y = dot(a, p.w_down[...])
+                if lw is not None:
+                    y = y + lora_deltas(lw, "down", a, prec)
                 if dp_axis is not None:  # partial sums over this device's MLP columns
                     y = jax.lax.psum_scatter(y, dp_axis, tiled=True)
                 return x + y
@@ -535,9 +581,10 @@ class Llama(nnx.Module):
 
             def fused_layer_fn(carry, layer):
                 x, kv = carry
-                q, k, v = jax.lax.switch(layer, qkv_branches, x)
+                lw = lora_layer(layer)
+                q, k, v = jax.lax.switch(layer, qkv_branches, x, lw)
                 o, kv = attention(kv, q, k, v, layer)
-                return (jax.lax.switch(layer, mlp_branches, x, o), kv), None
+                return (jax.lax.switch(layer, mlp_branches, x, o, lw), kv), None
 
             (x, kv), _ = jax.lax.scan(fused_layer_fn, (x, kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
         else:
@@ -549,18 +596,28 @@ class Llama(nnx.Module):
                 x, kv = carry
                 state, layer = xs
                 p = nnx.merge(layer_def, state)
+                lw = lora_layer(layer)
                 with jax.named_scope("attention"):
                     h = rms_norm(x, p.input_norm[...], eps)
                     q, k, v = matmul(h, p, ("wq", "wk", "wv"), layer)  # "TD,DNH->TNH", "TD,DKH->TKH"
+                    if lw is not None:
+                        q, k, v = (t + d.reshape(t.shape) for t, d in zip((q, k, v), lora_deltas(lw, "qkv", h, prec)))
                     q, k, v = attention_inputs(cfg, p, q, k, v)
                     o, kv = attention(kv, q, k, v, layer)
                     # Row-parallel under TP: GSPMD all-reduces the partial sums over the head shards.
                     x = x + matmul(o, p, "wo", layer)  # "TNH,NHD->TD"
+                    if lw is not None:
+                        x = x + lora_deltas(lw, "o", o.reshape(T, N * H), prec)
                 with jax.named_scope("mlp"):
                     h = rms_norm(x, p.post_attn_norm[...], eps)
                     g, u = matmul(h, p, ("w_gate", "w_up"), layer)  # "TD,DF->TF"
+                    if lw is not None:
+                        g, u = (t + d for t, d in zip((g, u), lora_deltas(lw, "gate_up", h, prec)))
+                    a = jax.nn.silu(g) * u
                     # Row-parallel, as wo.
-                    x = x + matmul(jax.nn.silu(g) * u, p, "w_down", layer)  # "TF,FD->TD"
+                    x = x + matmul(a, p, "w_down", layer)  # "TF,FD->TD"
+                    if lw is not None:
+                        x = x + lora_deltas(lw, "down", a, prec)
                 return (x, kv), None
 
             layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

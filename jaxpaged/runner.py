@@ -37,6 +37,7 @@ from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata, resolve_backend
 from jaxpaged.batch import Batch, build_batch
 from jaxpaged.kv_cache import KVPool, copy_blocks, gather_blocks, init_kv_pool, scatter_blocks
+from jaxpaged.lora import LoRAConfig, LoRASlots
 from jaxpaged.model import Llama
 from jaxpaged.padding import bucket
 from jaxpaged.sampler import SamplingRow, build_sampling_metadata, compute_logprobs, sample
@@ -82,13 +83,14 @@ def split_model(model: Llama) -> tuple[_HashedOnce, tuple[jax.Array, ...]]:
 # The logits stay on the device between the two; the pool is donated to the model.
 # Jitted per geometry by StepPrograms (static_argnums=(0,), donate_argnums=(2,)).
 def _forward(structure: _HashedOnce, params: tuple[jax.Array, ...], kv: KVPool, tokens, md: AttentionMetadata,
-             logits_indices, *, return_hidden: bool = False):
+             logits_indices, *, return_hidden: bool = False, lora=None):
     """The model over one padded batch: logits at ``logits_indices`` ([N, V]) and the new pool;
     with ``return_hidden`` (a step holding embedding requests) their final hidden states [N, D]
-    too. ``structure``, ``params``: from :func:`split_model`."""
+    too; ``lora``: the tokens' adapter slots and the slots' weights (a step holding LoRA
+    requests, jaxpaged.lora). ``structure``, ``params``: from :func:`split_model`."""
     graphdef, treedef = structure.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    return model(tokens, kv, md, logits_indices=logits_indices, return_hidden=return_hidden)
+    return model(tokens, kv, md, logits_indices=logits_indices, return_hidden=return_hidden, lora=lora)
 
 
 def _bad_word_ends(row) -> list[int]:
@@ -344,7 +346,8 @@ def row_seed(seed: int, index: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: Llama, *, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_ids: tuple[int, ...] = (), num_host_blocks: int = 0, dtype=None, device=None):
+                 eos_ids: tuple[int, ...] = (), num_host_blocks: int = 0, dtype=None, device=None,
+                 lora_config: LoRAConfig | None = None):
         cfg = model.cfg
         self.vocab_size = cfg.vocab_size
         self.block_size = block_size
@@ -393,6 +396,8 @@ class ModelRunner:
         # beside 422 prompt tokens: 726-788 -> 555-577 ms a step; docs/measurements.md,
         # "Thirty-first session").
         self.split_decodes = resolve_backend(model.attention_backend, model.platform) == "xla"
+        # LoRA adapters on the device (jaxpaged.lora): None where the engine serves none.
+        self.lora = None if lora_config is None else LoRASlots(cfg, lora_config, model.dtype, self._token_sharding)
 
     # ---- block moves ----------------------------------------------------------------
 
@@ -488,14 +493,16 @@ class ModelRunner:
         )
         idx = np.concatenate([batch.logits_indices, batch.prompt_lp_indices])
         pooling = any(r.seq.request.pooling is not None for r in batch.rows)  # embeddings: their hidden states too
-        self.compiled_shapes.add(("forward+hidden" if pooling else "forward", *batch.shape_key))
+        lora = batch.lora_slots is not None  # a step holding LoRA requests: their tokens' slots, the slots' weights
+        self.compiled_shapes.add(("forward" + "+hidden" * pooling + "+lora" * lora, *batch.shape_key))
         hidden = None
+        extra = {"lora": (jax.device_put(batch.lora_slots, self._token_sharding), self.lora.weights)} if lora else {}
         if pooling:
             logits, self.kv, hidden = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx,
-                                                            return_hidden=True)
+                                                            return_hidden=True, **extra)
             hidden.copy_to_host_async()
         else:
-            logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx)
+            logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx, **extra)
         step = InFlight(batch, None, None, {r.seq.seq_id: i for i, r in enumerate(batch.rows)}, logits, hidden)
         if not defer_sampling:
             self.launch_sampler(step)
@@ -525,8 +532,15 @@ class ModelRunner:
         self.apply_block_ops(out.block_ops)
         if not out.scheduled:
             return None
+        seq_lora = None
+        adapters = {} if self.lora is None else {
+            s.seq.request.lora.id: s.seq.request.lora for s in out.scheduled if s.seq.request.lora is not None}
+        if adapters:  # the step's adapters into the device's slots; each sequence's slot (-1: none)
+            slot = self.lora.slots(adapters)
+            seq_lora = np.fromiter((-1 if s.seq.request.lora is None else slot[s.seq.request.lora.id]
+                                    for s in out.scheduled), np.int32, len(out.scheduled))
         return build_batch(out, block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
-                           pending_rows=pending_rows, split_decodes=self.split_decodes)
+                           pending_rows=pending_rows, split_decodes=self.split_decodes, seq_lora=seq_lora)
 
     def token_bitmask(self, batch_rows, num_rows: int) -> np.ndarray | None:
         """The token masks of ``num_rows`` padded sampling rows: the structured outputs'

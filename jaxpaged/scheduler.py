@@ -78,6 +78,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Container
 from typing import Any, Protocol
 
 import numpy as np
@@ -218,7 +219,8 @@ class RunnerOutput:
 class Scheduler:
     def __init__(self, kv: KVAllocator, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_ids: tuple[int, ...] = (), preemption_mode: str = "recompute",
-                 speculative_config: SpeculativeConfig | None = None, scheduling_policy: str = "fcfs"):
+                 speculative_config: SpeculativeConfig | None = None, scheduling_policy: str = "fcfs",
+                 max_loras: int | None = None):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={scheduling_policy!r}; choose from {SCHEDULING_POLICIES}")
         if preemption_mode not in ("recompute", "swap"):
@@ -233,6 +235,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.scheduling_policy = scheduling_policy
         self.speculative_config = speculative_config
+        self.max_loras = max_loras  # most LoRA adapters among the running requests (None: no LoRA)
         # A penalised request sits a step out while its last token is on the device (async
         # scheduling); the engine core turns this off when its runner can wait to sample.
         self.penalties_wait = True
@@ -295,10 +298,14 @@ class Scheduler:
         # (running[-1]); a queued one, the running ones worse than itself: never one already
         # walked past, whose chunk this step holds.
         i, admitting, running_done = 0, True, False
+        passed_over: set[int] = set()  # queued requests whose LoRA adapter would be one too many now
         while True:
             runs = not running_done and i < len(self.running)
-            head = self._head() if admitting else None
+            head = self._head(passed_over) if admitting else None
             if head is not None and (not runs or head.sort_key < self.running[i].sort_key):
+                if not self._adapter_fits(head):  # (vLLM's rule: later requests may start meanwhile)
+                    passed_over.add(id(head))
+                    continue
                 used = self._resume(head, out, budget)
                 if used is None:
                     admitting = False  # the first that does not fit stops the queue
@@ -344,11 +351,22 @@ class Scheduler:
                 s.seq.num_pending += 1  # 2 while the step before this one is still running
         return out
 
-    def _head(self) -> Request | None:
-        """The best queued request: the first of the swapped or the waiting queue."""
-        if self.swapped and (not self.waiting or self.swapped[0].sort_key < self.waiting[0].sort_key):
-            return self.swapped[0]
-        return self.waiting[0] if self.waiting else None
+    def _head(self, passed_over: Container[int] = ()) -> Request | None:
+        """The best queued request: the first of the swapped or the waiting queue, but for those
+        ``passed_over`` (by ``id``)."""
+        swapped = next((r for r in self.swapped if id(r) not in passed_over), None)
+        waiting = next((r for r in self.waiting if id(r) not in passed_over), None)
+        if swapped is not None and (waiting is None or swapped.sort_key < waiting.sort_key):
+            return swapped
+        return waiting
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether ``req`` may run beside the running requests: its LoRA adapter (if any) is one of
+        theirs, or they use fewer than ``max_loras`` (the device's slots, jaxpaged.lora)."""
+        if req.lora is None or self.max_loras is None:
+            return True
+        ids = {r.lora.id for r in self.running if r.lora is not None}
+        return req.lora.id in ids or len(ids) < self.max_loras
 
     def _speculate(self, s: ScheduledSeq, budget: int, out: SchedulerOutput) -> int:
         """Give the chunk ``s`` just planned its drafts (see :mod:`jaxpaged.spec_decode`), if its
@@ -632,9 +650,13 @@ class Scheduler:
     def _salt(req: Request) -> str | None:
         # Prompt logprobs need every prompt position computed, so such requests never hit
         # the prefix cache (as in vLLM V1): a salt of their own isolates them.
+        # A LoRA adapter's K/V differs from the base model's: its prefixes are its own.
+        salt = req.params.cache_salt
+        if req.lora is not None:
+            salt = f"{salt or ''}\x00lora:{req.lora.id}:{req.lora.request.lora_path}"
         if req.params.prompt_logprobs is not None:
-            return f"{req.params.cache_salt or ''}\x00prompt-logprobs:{req.request_id}"
-        return req.params.cache_salt
+            return f"{salt or ''}\x00prompt-logprobs:{req.request_id}"
+        return salt
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

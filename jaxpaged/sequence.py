@@ -164,6 +164,7 @@ class Request:
         # that computes it (the request then ends, its one sampled token unused).
         self.pooling = None  # PoolingParams
         self.hidden: np.ndarray | None = None
+        self.lora = None  # its LoRA adapter (jaxpaged.lora.LoRAAdapter), or None: the base model
 
     @property
     def is_beam_search(self) -> bool:

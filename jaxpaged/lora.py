@@ -1,0 +1,241 @@
+"""LoRA adapters, served side by side over one base model (vLLM's multi-LoRA serving).
+
+A request names its adapter with a :class:`LoRARequest` (``LLM.generate(...,
+lora_request=...)``; the server's ``model`` field, ``--lora-modules``). The adapter is a PEFT
+folder (``adapter_config.json`` and ``adapter_model.safetensors``, as ``save_pretrained``
+writes it) with low-rank updates ``W + (alpha / r) B A`` to any of the attention and MLP
+projections. The engine never merges them into the base weights:
+
+- :class:`LoRAManager` (host) loads an adapter the first time a request names it, checks it
+  against the model (shapes, rank at most ``max_lora_rank``, nothing PEFT stores that this
+  engine does not apply), and keeps the ``max_cpu_loras`` most recently used in host memory.
+- :class:`LoRASlots` (one per model runner) holds ``max_loras`` adapters on the device, each
+  projection's ``A`` and ``B`` stacked as ``[layers, slots, in, rank]`` and ``[layers, slots,
+  rank, out]`` (ranks padded with zeros to ``max_lora_rank``, the scale folded into ``B``); a
+  step's adapters take slots, the least recently used others giving theirs up.
+- The scheduler runs at most ``max_loras`` adapters at a time: a waiting request whose adapter
+  would be one more is passed over (later ones may start) until a running one's ends.
+- The forward adds, per token, ``(x A_s) B_s`` of its slot ``s`` (Punica's batched form, in two
+  dense products over all slots, a token's one-hot row keeping its own; tokens of the base model
+  have none). A step with no adapter runs the program without LoRA.
+- The prefix cache keys blocks by adapter too: a prompt's K/V under one adapter is never
+  reused under another, or under the base model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+# The projections an adapter may update, in the order the forward takes them, with PEFT's names.
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for a request (vLLM's ``LoRARequest``): ``lora_name`` names it (the server's
+    ``model``), ``lora_int_id`` (>= 1) identifies it (two requests with the same id share its
+    loaded weights and its cached prefixes), ``lora_path`` is its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    base_model_name: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty str, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, (str, Path)) or not str(self.lora_path):
+            raise ValueError(f"lora_path must be a path, got {self.lora_path!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """The engine's LoRA limits (vLLM's names): ``max_loras`` adapters on the device at once
+    (and in one step), ranks up to ``max_lora_rank``, ``max_cpu_loras`` loaded on the host."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        c = self.max_cpu_loras
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an int >= max_loras ({self.max_loras}), got {c!r}")
+
+
+def module_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """Each projection's ``(in, out)`` features in a model of config ``cfg``."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
+            "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+
+
+@dataclasses.dataclass
+class LoRAAdapter:
+    """A loaded adapter, on the host: per module it updates, ``A`` ``[layers, in, rank]`` and
+    ``B`` ``[layers, rank, out]`` with the scale folded in (zeros for layers it leaves alone)."""
+
+    request: LoRARequest
+    rank: int
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def id(self) -> int:
+        return self.request.lora_int_id
+
+
+def load_adapter(req: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
+    """Read and check a PEFT LoRA folder for a model of config ``cfg``.
+
+    Raises:
+      ValueError: naming the file, key or setting this engine cannot apply.
+    """
+    folder = Path(req.lora_path)
+    where = f"LoRA adapter {req.lora_name!r} ({folder})"
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{where}: no adapter_config.json (a PEFT LoRA folder is expected)")
+    conf = json.loads(config_file.read_text())
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {conf.get('peft_type')!r}; only LORA adapters are supported")
+    for key, ok, what in (("use_dora", lambda v: not v, "DoRA"), ("bias", lambda v: v in (None, "none"), "bias"),
+                          ("modules_to_save", lambda v: not v, "modules_to_save"),
+                          ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out"),
+                          ("rank_pattern", lambda v: not v, "per-module ranks"),
+                          ("alpha_pattern", lambda v: not v, "per-module alphas")):
+        if not ok(conf.get(key)):
+            raise ValueError(f"{where}: {key}={conf[key]!r} ({what}) is not supported")
+    r, alpha = conf.get("r"), conf.get("lora_alpha")
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{where}: adapter_config.json needs an int r >= 1 and a lora_alpha, got r={r!r}, "
+                         f"lora_alpha={alpha!r}")
+    if r > max_rank:
+        raise ValueError(f"{where}: rank {r} is more than max_lora_rank={max_rank}")
+    scale = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        hint = " (adapter_model.bin: save it with safe_serialization=True)" if (
+            folder / "adapter_model.bin").is_file() else ""
+        raise ValueError(f"{where}: no adapter_model.safetensors{hint}")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(weights_file)
+    shapes, L = module_shapes(cfg), cfg.num_layers
+    found: dict[tuple[int, str], dict[str, np.ndarray]] = collections.defaultdict(dict)
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in shapes or int(m.group(1)) >= L:
+            raise ValueError(f"{where}: tensor {key!r} is not a LoRA update this engine applies (the {L} layers' "
+                             f"{', '.join(MODULES)})")
+        found[int(m.group(1)), m.group(2)][m.group(3)] = t
+    if not found:
+        raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for (layer, module), ab in sorted(found.items()):
+        n_in, n_out = shapes[module]
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {module} has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"], ab["B"]
+        if a.shape != (r, n_in) or b.shape != (n_out, r):
+            raise ValueError(f"{where}: layer {layer} {module}: lora_A {a.shape}, lora_B {b.shape}; this model "
+                             f"needs ({r}, {n_in}) and ({n_out}, {r})")
+        if module not in weights:
+            weights[module] = (np.zeros((L, n_in, r), np.float32), np.zeros((L, r, n_out), np.float32))
+        weights[module][0][layer] = a.astype(np.float32).T
+        weights[module][1][layer] = b.astype(np.float32).T * scale
+    return LoRAAdapter(req, r, weights)
+
+
+class LoRAManager:
+    """The adapters requests name, loaded on first use and checked; the ``max_cpu_loras`` most
+    recently used stay loaded (a request holds its own adapter while it runs)."""
+
+    def __init__(self, cfg, config: LoRAConfig):
+        self.cfg, self.config = cfg, config
+        self._loaded: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
+
+    def get(self, req: LoRARequest) -> LoRAAdapter:
+        if not isinstance(req, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(req).__name__}")
+        adapter = self._loaded.get(req.lora_int_id)
+        if adapter is not None and adapter.request.lora_path != req.lora_path:
+            raise ValueError(f"lora_int_id {req.lora_int_id} is adapter {adapter.request.lora_name!r} "
+                             f"({adapter.request.lora_path}); {req.lora_name!r} names {req.lora_path}")
+        if adapter is None:
+            adapter = load_adapter(req, self.cfg, self.config.max_lora_rank)
+            self._loaded[req.lora_int_id] = adapter
+            while len(self._loaded) > (self.config.max_cpu_loras or self.config.max_loras):
+                self._loaded.popitem(last=False)
+        self._loaded.move_to_end(req.lora_int_id)
+        return adapter
+
+
+class LoRASlots:
+    """``max_loras`` adapters on the device, for one model runner (see the module docstring).
+
+    ``weights``: per module of :data:`MODULES`, ``(A [L, S, in, R], B [L, S, R, out])`` in
+    ``dtype``, placed with ``sharding`` (replicated over a tensor-parallel mesh). Slots are
+    replaced functionally (new arrays), so a step already launched keeps the ones it read."""
+
+    def __init__(self, cfg, config: LoRAConfig, dtype, sharding):
+        import jax
+        import jax.numpy as jnp
+
+        S, R, L = config.max_loras, config.max_lora_rank, cfg.num_layers
+        self.num_slots, self.rank, self.dtype = S, R, dtype
+
+        def zeros(shape):
+            return jax.device_put(jnp.zeros(shape, dtype), sharding)
+
+        self.weights = tuple((zeros((L, S, i, R)), zeros((L, S, R, o))) for i, o in module_shapes(cfg).values())
+        self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
+        self._set = jax.jit(lambda w, slot, v: w.at[:, slot].set(v))
+
+    def slots(self, adapters: dict[int, LoRAAdapter]) -> dict[int, int]:
+        """The slot of each of a step's adapters (at most ``num_slots``), loading those not on the
+        device into the slots of the least recently used others."""
+        if len(adapters) > self.num_slots:
+            raise RuntimeError(f"a step with {len(adapters)} adapters; max_loras is {self.num_slots}")
+        free = [s for s in range(self.num_slots) if s not in self._slot_of.values()]
+        for lid, adapter in adapters.items():
+            if lid not in self._slot_of:
+                if free:
+                    slot = free.pop()
+                else:
+                    victim = next(v for v in self._slot_of if v not in adapters)
+                    slot = self._slot_of.pop(victim)
+                self._load(slot, adapter)
+                self._slot_of[lid] = slot
+            self._slot_of.move_to_end(lid)
+        return {lid: self._slot_of[lid] for lid in adapters}
+
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        import jax.numpy as jnp
+
+        new = []
+        for name, (a_all, b_all) in zip(MODULES, self.weights):
+            L, _, n_in, R = a_all.shape
+            a = np.zeros((L, n_in, R), np.float32)
+            b = np.zeros((L, R, b_all.shape[-1]), np.float32)
+            if name in adapter.weights:
+                wa, wb = adapter.weights[name]
+                a[:, :, :adapter.rank], b[:, :adapter.rank] = wa, wb
+            new.append((self._set(a_all, slot, jnp.asarray(a, self.dtype)),
+                        self._set(b_all, slot, jnp.asarray(b, self.dtype))))
+        self.weights = tuple(new)
