@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from jaxpaged.engine import LLM
 from jaxpaged.input_processor import PromptType
+from jaxpaged.lora import LoRARequest
 from jaxpaged.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxpaged.pooling import PoolingParams
 from jaxpaged.sampling_params import SamplingParams
@@ -189,7 +190,8 @@ class AsyncLLM:
             return dataclasses.replace(self._stats, num_waiting=self._waiting())
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> RequestStream:
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate and queue a request; returns the stream of its outputs. Call it on the
         event loop that will read the stream. It tokenizes on the caller's thread: a server
         uses ``add_requests``, which does not.
@@ -202,18 +204,20 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         self._check_room()
         # Tokenizing and validating outside the lock never stalls the engine thread.
-        return self._hand_over([self.llm.inputs.process(prompt, params, request_id, self._streams, priority)],
-                               loop)[0]
+        return self._hand_over([self.llm.inputs.process(prompt, params, request_id, self._streams, priority,
+                                                        lora_request=lora_request)], loop)[0]
 
     async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
                            request_ids: list[str], check: Callable[[Request], None] | None = None,
-                           priority: int = 0, pooling: PoolingParams | None = None) -> list[RequestStream]:
+                           priority: int = 0, pooling: PoolingParams | None = None,
+                           lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """``add_request`` for a batch of prompts, all queued or none: the batch is admitted
         whole when fewer than ``max_waiting_requests`` requests wait as it arrives, and its
         prompts are tokenized on the tokenizer thread, so a long prompt never stalls the
         event loop (other requests' streams) or the engine thread. ``check``, if given, sees
         each validated request there and may raise to refuse the batch. ``pooling``: embedding
         requests (``params`` None; their one output is an ``EmbeddingRequestOutput``).
+        ``lora_request``: the prompts' LoRA adapter (:mod:`jaxpaged.lora`).
 
         Raises: as ``add_request``, and what ``check`` raises.
         """
@@ -223,8 +227,8 @@ class AsyncLLM:
         self._check_room(reserve=len(prompts))
 
         def process():
-            reqs = [self.llm.inputs.process(p, params, rid, self._streams, priority, pooling=pooling)
-                    for p, rid in zip(prompts, request_ids)]
+            reqs = [self.llm.inputs.process(p, params, rid, self._streams, priority, pooling=pooling,
+                                            lora_request=lora_request) for p, rid in zip(prompts, request_ids)]
             for req in reqs if check is not None else ():
                 check(req)
             return reqs
@@ -282,21 +286,25 @@ class AsyncLLM:
         return streams
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs as they change; the last one is finished.
 
         Stopping the iteration early (``break``, cancellation) aborts the request.
         """
-        async with self.add_request(prompt, params, request_id=request_id, priority=priority) as stream:
+        async with self.add_request(prompt, params, request_id=request_id, priority=priority,
+                                    lora_request=lora_request) as stream:
             async for out in stream:
                 yield out
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
-                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[EmbeddingRequestOutput]:
+                     request_id: str | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[EmbeddingRequestOutput]:
         """An embedding request (vLLM's ``AsyncLLM.encode``): yields its one output, finished."""
         params = pooling_params if pooling_params is not None else PoolingParams()
         rid = request_id if request_id is not None else f"embd-{uuid.uuid4().hex}"
-        streams = await self.add_requests([prompt], None, [rid], priority=priority, pooling=params)
+        streams = await self.add_requests([prompt], None, [rid], priority=priority, pooling=params,
+                                          lora_request=lora_request)
         async with streams[0] as stream:
             async for out in stream:
                 yield out

@@ -83,6 +83,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="a reasoning model's think tags (deepseek_r1, qwen3: <think>...</think>): structured outputs "
                         "start after the reasoning; the server returns it as the reply's reasoning")
+    e.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the model")
+    e.add_argument("--max-loras", type=int, default=1, help="most LoRA adapters on the device at once (default 1)")
+    e.add_argument("--max-lora-rank", type=int, default=16, help="most rank of a LoRA adapter (default 16)")
+    e.add_argument("--max-cpu-loras", type=int, help="most LoRA adapters kept loaded on the host (default "
+                                                      "--max-loras)")
     return e
 
 
@@ -98,7 +103,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=args.data_parallel_size,
                 enable_dp_attention=args.enable_dp_attention, speculative_config=args.speculative_config,
                 generation_config=args.generation_config, scheduling_policy=args.scheduling_policy,
-                reasoning_parser=args.reasoning_parser, runner=args.runner)
+                reasoning_parser=args.reasoning_parser, runner=args.runner, enable_lora=args.enable_lora,
+                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "Jinja template itself)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt at a time)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request and a JSON summary")
+    p.add_argument("--lora", metavar="PATH", help="run every prompt with this LoRA adapter (a PEFT folder); "
+                                                  "implies --enable-lora")
     s = p.add_argument_group("sampling")
     for flag, typ, field in _SAMPLING:
         s.add_argument(flag, type=typ, dest=field, default=None)
@@ -242,7 +250,10 @@ def run(argv: list[str] | None = None) -> int:
             if where is None:
                 raise
             raise type(e)(f"{where}: {e}") from None
-    llm = LLM(args.model, **engine_kwargs(args))
+    from jaxpaged.lora import LoRARequest
+
+    lora = None if args.lora is None else LoRARequest(Path(args.lora).name or "lora", 1, args.lora)
+    llm = LLM(args.model, **{**engine_kwargs(args), "enable_lora": args.enable_lora or lora is not None})
     prompts = []
     for text, _ in items:
         if args.chat:
@@ -260,14 +271,15 @@ def run(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--stream prints one completion a prompt; prompt {n} asks for "
                                  f"{'beam search' if sp.use_beam_search else f'n={sp.n}'}")
         for prompt, sp in zip(prompts, params):
-            for delta in llm.stream(prompt, sp):
+            for delta in llm.stream(prompt, sp, lora_request=lora):
                 print(delta, end="", flush=True)
             print()
         elapsed = time.perf_counter() - start
         stats = llm.stats()
         print(f"[{stats['num_steps']} steps in {elapsed:.1f} s]", file=sys.stderr)
         return 0
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress and not args.json, priority=priorities)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress and not args.json, priority=priorities,
+                           lora_request=lora)
     elapsed = time.perf_counter() - start
     for (text, _), o in zip(items, outputs):
         if args.json:

@@ -16,12 +16,13 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import json
 import logging
 import re
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxpaged.chat_template import ChatTemplateError, check_syntax, load_chat_template, template_kwargs
 from jaxpaged.input_processor import chat_messages, encode
+from jaxpaged.lora import LoRARequest
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       EmbeddingRequest, TokenizeRequest, chat_logprobs, chat_response,
                                       completion_response, embedding_invalid, embedding_response, invalid)
@@ -55,7 +57,8 @@ _TYPE_IN_LOC = re.compile(r"(str|int|float|bool|none|dict|list)(\[.*\])?")
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
               tool_call_parser: str | None = None, responses_store_size: int = 1024, chat_template: str | None = None,
-              trust_request_chat_template: bool = False, return_tokens_as_token_ids: bool = False):
+              trust_request_chat_template: bool = False, return_tokens_as_token_ids: bool = False,
+              lora_modules: Sequence[LoRARequest] = ()):
     """The FastAPI app serving ``engine`` under the name ``served_model_name``; with
     ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``. With
     ``tool_call_parser`` (one of :data:`~jaxpaged.tool_calling.TOOL_PARSERS`), chat requests may
@@ -64,7 +67,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     stored responses (see :mod:`jaxpaged.openai_responses`). ``chat_template`` (a Jinja
     template) replaces the model's; a request's own ``chat_template`` is refused unless
     ``trust_request_chat_template``. ``return_tokens_as_token_ids``: logprobs name tokens
-    ``"token_id:<id>"`` unless a request says otherwise (vLLM's)."""
+    ``"token_id:<id>"`` unless a request says otherwise (vLLM's). ``lora_modules``: LoRA adapters
+    served by their names beside the base model (a request's ``model`` picks one; the engine
+    must have ``enable_lora``), as vLLM's ``--lora-modules``."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     if responses_store_size < 0:
@@ -124,10 +129,21 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                       code="invalid_api_key"))
         return await call_next(request)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
-                           param="model", code="model_not_found")
+    adapters = {r.lora_name: r for r in lora_modules}
+    if served_model_name in adapters:
+        raise ValueError(f"LoRA module {served_model_name!r} has the served model's name")
+    if adapters and engine.llm.inputs.lora is None:
+        raise ValueError("lora_modules need an engine with enable_lora=True")
+
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model)."""
+        if name is None or name == served_model_name:
+            return None
+        if name in adapters:
+            return adapters[name]
+        served = ", ".join(map(repr, [served_model_name, *adapters]))
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
     def checked_params(body: CompletionRequest | ChatCompletionRequest):
         """The request's SamplingParams, once its model and options are known to be servable."""
@@ -159,14 +175,15 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                            f"tokens and the request has {n} input tokens ({asked} > {limit} - {n})",
                            param=param, code="invalid_value")
 
-    async def add(prompts: list, params, request_id: str, body, *,
-                  max_tokens_param: str = "max_tokens") -> list[RequestStream]:
-        """Queue every prompt, or none (``body``: the request, for the errors' ``param``)."""
+    async def add(prompts: list, params, request_id: str, body, *, max_tokens_param: str = "max_tokens",
+                  lora: LoRARequest | None = None) -> list[RequestStream]:
+        """Queue every prompt, or none (``body``: the request, for the errors' ``param``; ``lora``:
+        the adapter its ``model`` names)."""
         default = body.own_max_tokens is None and params.max_tokens is not None  # the generation config's
         try:
             return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
                                              check=functools.partial(fits, param=max_tokens_param, default=default),
-                                             priority=body.priority)
+                                             priority=body.priority, lora_request=lora)
         except (ValueError, TypeError) as e:
             raise invalid(e, body) from None
         except EngineOverloadedError as e:
@@ -192,8 +209,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def completions(body: CompletionRequest, raw: Request):
         params = checked_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        model = served_model_name
-        streams = await add(body.prompts(), params, rid, body)
+        lora = check_model(body.model)
+        model = served_model_name if lora is None else lora.lora_name
+        streams = await add(body.prompts(), params, rid, body, lora=lora)
         held = params.output_text_buffer_length
         events = completion_events(engine, rid, model, streams, body, held, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
@@ -243,8 +261,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         tool_calls = body.tool_calls(tool_call_parser)
         ids = await chat_token_ids(body.conversation(), body.tools, body.template_options())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        model = served_model_name
-        streams = await add([{"prompt_token_ids": ids}], params, rid, body)
+        lora = check_model(body.model)
+        model = served_model_name if lora is None else lora.lora_name
+        streams = await add([{"prompt_token_ids": ids}], params, rid, body, lora=lora)
         held = params.output_text_buffer_length
         events = chat_events(engine, rid, model, streams[0], body, held, tool_calls, reasoning) if body.stream else None
         return await respond(raw, streams, events,
@@ -252,7 +271,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request):
-        check_model(body.model)
+        lora = check_model(body.model)
+        model = served_model_name if lora is None else lora.lora_name
         previous = []
         if body.previous_response_id is not None:
             stored = responses_store.get(body.previous_response_id)
@@ -267,7 +287,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             tool_calls = chat.tool_calls(tool_call_parser)
             ids = await chat_token_ids(chat.conversation(), chat.tools)
             rid, created = new_response_id(), now()
-            streams = await add([{"prompt_token_ids": ids}], params, rid, chat, max_tokens_param="max_output_tokens")
+            streams = await add([{"prompt_token_ids": ids}], params, rid, chat, max_tokens_param="max_output_tokens",
+                                lora=lora)
         except APIError as e:
             raise as_responses_error(e) from None
         messages = chat.conversation()[1 if body.instructions is not None else 0:]
@@ -278,7 +299,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 responses_store.put(Stored(response, conversation_after(messages, response["output"]), input_items))
 
         if body.stream:
-            return _EngineStream(response_events(engine, streams[0], rid, created, served_model_name, body,
+            return _EngineStream(response_events(engine, streams[0], rid, created, model, body,
                                                  params.output_text_buffer_length, tool_calls, done, reasoning),
                                  engine, streams)
 
@@ -291,7 +312,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             items.feed(plain(text) if calls is None else calls.feed(text, True), logprobs, thought)
             status = final_status(out)
             items.finish(status)
-            response = response_body(rid, created, served_model_name, body, status=status, output=items.items,
+            response = response_body(rid, created, model, body, status=status, output=items.items,
                                      out=out, reasoning=reasoning)
             done(response)
             return response
@@ -324,18 +345,20 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
         """Each input's embedding (:mod:`jaxpaged.pooling`), run beside the generation requests."""
-        check_model(body.model)
+        lora = check_model(body.model)
         rid = f"embd-{uuid.uuid4().hex}"
         inputs = body.inputs()
         try:
             streams = await engine.add_requests(inputs, None, [f"{rid}-{i}" for i in range(len(inputs))],
-                                                priority=body.priority, pooling=body.pooling_params())
+                                                priority=body.priority, pooling=body.pooling_params(),
+                                                lora_request=lora)
         except (ValueError, TypeError) as e:
             raise embedding_invalid(e) from None
         except EngineOverloadedError as e:
             raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
         return await respond(raw, streams, None,
-                             lambda outs: embedding_response(rid, served_model_name, outs, body.encoding_format))
+                             lambda outs: embedding_response(rid, served_model_name if lora is None else lora.lora_name,
+                                                             outs, body.encoding_format))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -372,8 +395,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": metrics.started,
-                                            "owned_by": "jaxpaged", "max_model_len": engine.max_model_len}]}
+        base = {"id": served_model_name, "object": "model", "created": metrics.started, "owned_by": "jaxpaged",
+                "root": served_model_name, "parent": None, "max_model_len": engine.max_model_len}
+        # vLLM's: each LoRA adapter by its name, its folder as root, the base model as parent.
+        return {"object": "list", "data": [base, *({**base, "id": r.lora_name, "root": str(r.lora_path),
+                                                    "parent": served_model_name} for r in adapters.values())]}
 
     @app.get("/health")
     async def health():
@@ -462,8 +488,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let chat requests bring their own chat_template (refused by default)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name tokens "token_id:<id>" (a request\'s return_tokens_as_token_ids wins)')
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served by name beside the base model, a request's model "
+                        'picking one: name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}; '
+                        "needs --enable-lora")
     add_engine_args(p)
     return p
+
+
+def lora_module(value: str) -> dict:
+    """A ``--lora-modules`` entry, vLLM's forms: ``name=path`` or a JSON object with ``name`` and ``path``."""
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+        if not isinstance(entry, dict) or not {"name", "path"} <= set(entry) or set(entry) - {
+                "name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError(f"{value!r}: a JSON entry has a name, a path and maybe a base_model_name")
+        return entry
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r} is not name=path")
+    return {"name": name, "path": path}
 
 
 def default_model_name(model: str | None) -> str:
@@ -480,6 +527,11 @@ def run(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.responses_store_size < 0:
         parser.error(f"--responses-store-size must be at least 0, got {args.responses_store_size}")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    names = [m["name"] for m in args.lora_modules]
+    if len(set(names)) < len(names):
+        parser.error(f"--lora-modules: a name twice in {names}")
     try:
         template = None if args.chat_template is None else load_chat_template(args.chat_template)
     except (OSError, ValueError, TypeError) as e:
@@ -489,12 +541,16 @@ def run(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(args.model, **engine_kwargs(args))
+    loras = [LoRARequest(m["name"], i, m["path"], m.get("base_model_name"))
+             for i, m in enumerate(args.lora_modules, 1)]
+    for r in loras:  # loaded and checked now, as vLLM's static adapters: a bad one stops the start
+        llm.inputs.lora.get(r)
     engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser,
                     responses_store_size=args.responses_store_size, chat_template=template,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=loras)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

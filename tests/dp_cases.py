@@ -228,3 +228,25 @@ def test_cli_flag(capsys):
     assert capsys.readouterr().out.strip()
     assert cli_main(["hi", "--model", folder, "--data-parallel-size", "4", "--no-progress"]) == 1
     assert "data_parallel_size=4 needs 4 devices" in capsys.readouterr().err
+
+
+def test_lora_on_two_replicas_gives_what_one_engine_gives(model, tmp_path):
+    """Each replica holds the adapters its requests use (its own slots; max_loras per replica):
+    the tokens one engine gives, with two adapters for one slot a replica."""
+    from paged import write_lora_adapter
+
+    from jaxpaged import LoRARequest
+
+    loras = [LoRARequest(name, i, str(write_lora_adapter(tmp_path / name, model.config, rank=2, alpha=4, seed=i,
+                                                             modules=("k_proj", "gate_proj"))))
+             for i, name in enumerate("ab", 1)]
+    prompts, _ = _requests(model.config.vocab_size)
+    per_prompt = [(None, *loras)[i % 3] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(model, enable_lora=True, **ENGINE).generate(prompts, params, lora_request=per_prompt, use_tqdm=False)
+    llm = LLM(model, data_parallel_size=2, enable_lora=True, **ENGINE)
+    got = llm.generate(prompts, params, lora_request=per_prompt, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.stats()["num_used_blocks"] == 0
+    base = LLM(model, **ENGINE).generate(prompts[1:3], params, use_tqdm=False)  # the adapters do change the tokens
+    assert all(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(base, want[1:3]))

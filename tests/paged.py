@@ -62,3 +62,31 @@ def dot_precisions(jaxpr) -> list:
                 if hasattr(inner, "eqns"):
                     found += dot_precisions(inner)
     return found
+
+
+def write_lora_adapter(folder, cfg, *, rank: int, alpha: float, modules: tuple[str, ...], seed: int = 0,
+                       std: float = 0.1):
+    """A PEFT LoRA folder (``adapter_config.json``, ``adapter_model.safetensors``) of random A and B
+    for every layer's ``modules`` of a model of config ``cfg``, written without torch."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from jaxpaged.lora import module_shapes
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for m in modules:
+            n_in, n_out = module_shapes(cfg)[m]
+            block = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = (std * rng.standard_normal((rank, n_in))).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (std * rng.standard_normal((n_out, rank))).astype(np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules), "bias": "none"}))
+    return folder

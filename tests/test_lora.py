@@ -243,3 +243,70 @@ def test_what_is_refused_is_named_before_anything_runs(lora_setup, tmp_path):
     assert out.outputs[0].token_ids == oracle(with_base(lora_setup), "all8", [1, 2], GREEDY.max_tokens)
     with pytest.raises(ValueError, match="enable_dp_attention"):
         LLM(lm, enable_lora=True, data_parallel_size=2, enable_dp_attention=True)
+
+
+def test_the_server_serves_each_adapter_by_name(lora_setup):
+    """``lora_modules`` (``--lora-modules``): a request's ``model`` picks its adapter (or the base
+    model) in completions, chat-free ids and embeddings; the tokens are PEFT's; ``/v1/models``
+    lists the adapters with the base model as their parent; an unknown name is a 404 naming
+    what is served."""
+    import httpx
+    from test_server import AUTH, MODEL, Running
+
+    lm, _, peft_models, requests = lora_setup
+    models = with_base(lora_setup)
+    served = Running(LLM(lm, num_blocks=96, block_size=BS, enable_lora=True, max_loras=1, max_lora_rank=MAX_RANK),
+                     lora_modules=[requests["all8"], requests["mlp16"]])
+    prompt = list(range(30, 41))
+    try:
+        with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as h:
+            listed = h.get("/v1/models").json()["data"]
+            assert [(m["id"], m["parent"]) for m in listed] == [(MODEL, None), ("all8", MODEL), ("mlp16", MODEL)]
+            assert listed[1]["root"] == requests["all8"].lora_path
+            for name in (None, "all8", "mlp16"):
+                body = {"model": name or MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True}
+                r = h.post("/v1/completions", json=body).json()
+                assert r["model"] == (name or MODEL)
+                assert r["choices"][0]["token_ids"] == oracle(models, name, prompt, 8), name
+            missing = h.post("/v1/completions", json={"model": "qv4", "prompt": prompt, "max_tokens": 2})
+            assert missing.status_code == 404 and "'tiny-llama', 'all8', 'mlp16'" in missing.json()["error"]["message"]
+            emb = h.post("/v1/embeddings", json={"model": "mlp16", "input": [prompt]}).json()
+        with torch.no_grad():
+            hidden = peft_models["mlp16"].base_model.model.model(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(emb["data"][0]["embedding"], hidden / np.linalg.norm(hidden), atol=1e-5)
+    finally:
+        served.stop()
+
+
+def test_serve_command_line_takes_vllms_lora_module_forms(capsys):
+    from jaxpaged.serve import build_parser, run
+
+    args = build_parser().parse_args(["--enable-lora", "--lora-modules", "a=/x/a",
+                                      '{"name": "b", "path": "/x/b", "base_model_name": "m"}'])
+    assert args.lora_modules == [{"name": "a", "path": "/x/a"}, {"name": "b", "path": "/x/b", "base_model_name": "m"}]
+    for argv, message in ((["--lora-modules", "a=/x"], "needs --enable-lora"),
+                          (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "a name twice"),
+                          (["--enable-lora", "--lora-modules", "/x"], "is not name=path")):
+        with pytest.raises(SystemExit):
+            run(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_cli_runs_every_prompt_with_its_lora(capsys, tmp_path, tiny_engine_folder):
+    """``jaxpaged-generate --lora PATH`` on a model with a tokenizer: PEFT's greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxpaged.cli import main
+
+    torch.manual_seed(5)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_engine_folder, dtype=torch.float32).eval()
+    pm = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                       init_lora_weights=False)).eval()
+    pm.save_pretrained(tmp_path / "adapter")
+    assert main(["--model", str(tiny_engine_folder), "--lora", str(tmp_path / "adapter"), "--json", "--max-tokens",
+                 "6", "--ignore-eos", "--temperature", "0", "--no-progress", "Hello there"]) == 0
+    got = json.loads(capsys.readouterr().out.splitlines()[0])["outputs"][0]["token_ids"]
+    ids = AutoTokenizer.from_pretrained(tiny_engine_folder)("Hello there")["input_ids"]
+    assert got == oracle({"cli": pm}, "cli", ids, 6)

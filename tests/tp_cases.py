@@ -366,3 +366,22 @@ def test_default_model_valid_sizes(smollm):
 def test_cli_flag(tiny, capsys):
     assert cli_main(["hello", "--model", str(tiny), "--tensor-parallel-size", "3", "--no-progress"]) == 1
     assert "valid sizes for this model: 1, 2, 4" in capsys.readouterr().err
+
+
+def test_lora_on_two_devices_gives_one_devices_tokens(tiny, engines, tmp_path):
+    """LoRA adapters over a sharded model (their weights replicated): the tokens and logprobs of
+    one device's engine, beside requests of the base model."""
+    from paged import write_lora_adapter
+
+    from jaxpaged import LoRARequest
+
+    cfg = load_model(tiny).config
+    lora = LoRARequest("a", 1, str(write_lora_adapter(tmp_path / "a", cfg, rank=4, alpha=8, modules=(
+        "q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))))
+    loras = [lora, None, lora, None]
+    one, two = (LLM(tiny, tensor_parallel_size=tp, enable_lora=True, **ENGINE) for tp in (1, 2))
+    want = one.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
+    assert_same_outputs(two.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False), want)
+    base = engines[1][1][0]
+    assert want[0].outputs[0].token_ids != base[0].outputs[0].token_ids  # the adapter changes the tokens
+    assert_same_outputs([want[1], want[3]], [base[1], base[3]])
