@@ -186,26 +186,36 @@ class LoRAManager:
         return adapter
 
 
+def _set_slot(weights, slot, new):
+    """``weights`` (per layer, per module ``(A [S, R, in], B [out, S, R])``) with slot ``slot`` set to
+    ``new`` (per layer, per module ``(A [R, in], B [out, R])``)."""
+    return tuple(tuple((a.at[slot].set(na), b.at[:, slot].set(nb)) for (a, b), (na, nb) in zip(layer, layer_new))
+                 for layer, layer_new in zip(weights, new))
+
+
 class LoRASlots:
     """``max_loras`` adapters on the device, for one model runner (see the module docstring).
 
-    ``weights``: per module of :data:`MODULES`, ``(A [L, S, in, R], B [L, S, R, out])`` in
-    ``dtype``, placed with ``sharding`` (replicated over a tensor-parallel mesh). Slots are
-    replaced functionally (new arrays), so a step already launched keeps the ones it read."""
+    ``weights``: per layer, per module of :data:`MODULES`, ``(A [S, R, in], B [out, S, R])`` in
+    ``dtype``, placed with ``sharding`` (replicated over a tensor-parallel mesh): arrays of their
+    own per layer, which the CPU form's layer branches read in place (a slice of stacked arrays
+    would be copied every layer of every step), each contracted over its minor axes, the layout
+    XLA:CPU's products read without a copy (``A`` as ``[in, S * R]`` and ``B`` as ``[S * R,
+    out]`` were transposed every layer of every step). Slots are replaced functionally (new
+    arrays), so a step already launched keeps the ones it read."""
 
     def __init__(self, cfg, config: LoRAConfig, dtype, sharding):
         import jax
         import jax.numpy as jnp
 
-        S, R, L = config.max_loras, config.max_lora_rank, cfg.num_layers
+        S, R = config.max_loras, config.max_lora_rank
         self.num_slots, self.rank, self.dtype = S, R, dtype
-
-        def zeros(shape):
-            return jax.device_put(jnp.zeros(shape, dtype), sharding)
-
-        self.weights = tuple((zeros((L, S, i, R)), zeros((L, S, R, o))) for i, o in module_shapes(cfg).values())
+        shapes = tuple(module_shapes(cfg).values())
+        self.weights = tuple(tuple((jax.device_put(jnp.zeros((S, R, i), dtype), sharding),
+                                    jax.device_put(jnp.zeros((o, S, R), dtype), sharding)) for i, o in shapes)
+                             for _ in range(cfg.num_layers))
         self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
-        self._set = jax.jit(lambda w, slot, v: w.at[:, slot].set(v))
+        self._set = jax.jit(_set_slot)
 
     def slots(self, adapters: dict[int, LoRAAdapter]) -> dict[int, int]:
         """The slot of each of a step's adapters (at most ``num_slots``), loading those not on the
@@ -226,16 +236,11 @@ class LoRASlots:
         return {lid: self._slot_of[lid] for lid in adapters}
 
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
-        import jax.numpy as jnp
-
-        new = []
-        for name, (a_all, b_all) in zip(MODULES, self.weights):
-            L, _, n_in, R = a_all.shape
-            a = np.zeros((L, n_in, R), np.float32)
-            b = np.zeros((L, R, b_all.shape[-1]), np.float32)
-            if name in adapter.weights:
-                wa, wb = adapter.weights[name]
-                a[:, :, :adapter.rank], b[:, :adapter.rank] = wa, wb
-            new.append((self._set(a_all, slot, jnp.asarray(a, self.dtype)),
-                        self._set(b_all, slot, jnp.asarray(b, self.dtype))))
-        self.weights = tuple(new)
+        """Write ``adapter`` into ``slot`` of every layer's arrays (zeros where it leaves a module alone)."""
+        new = [[(np.zeros(a.shape[1:], self.dtype), np.zeros((b.shape[0], b.shape[2]), self.dtype))
+                for a, b in layer] for layer in self.weights]
+        for name, (wa, wb) in adapter.weights.items():
+            for layer, arrays in enumerate(new):
+                a, b = arrays[MODULES.index(name)]
+                a[:adapter.rank], b[:, :adapter.rank] = wa[layer].T, wb[layer].T
+        self.weights = self._set(self.weights, slot, tuple(map(tuple, new)))

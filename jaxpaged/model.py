@@ -335,15 +335,19 @@ def lora_deltas(lw, group: str, x: Float[Array, "T I"], precision):
     """The LoRA updates of the projections of ``group`` (``"qkv"``, ``"o"``, ``"gate_up"``,
     ``"down"``) of input ``x``: a tuple ``[T, out]`` for ``"qkv"`` and ``"gate_up"``, else one.
     ``lw``: ``(rows [T, S], weights)``, each token's one-hot adapter slot (a zero row for none)
-    and the layer's ``(A [S, I, R], B [S, R, out])`` per module. Every slot's ``x A`` is
+    and the layer's ``(A [S, R, I], B [out, S, R])`` per module. Every slot's ``x A`` is
     computed, the other slots' zeroed, and one product with all the ``B`` stacked sums the
     token's own: two dense products, whatever the mix of adapters in the step."""
     rows, weights = lw
+    T, S = rows.shape
     out = []
     for m in _LORA_GROUPS[group]:
         a, b = weights[m]
-        t = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype), precision=precision) * rows[:, :, None]
-        out.append(jnp.einsum("tsr,sro->to", t, b.astype(x.dtype), precision=precision))
+        t = jax.lax.dot_general(x, a.reshape(-1, a.shape[-1]).astype(x.dtype), (((1,), (1,)), ((), ())),
+                                precision=precision)  # [T, S * R]
+        t = (t.reshape(T, S, -1) * rows[:, :, None]).reshape(T, -1)
+        out.append(jax.lax.dot_general(t, b.reshape(b.shape[0], -1).astype(x.dtype), (((1,), (1,)), ((), ())),
+                                       precision=precision))
     return tuple(out) if len(out) > 1 else out[0]
 
 
@@ -498,8 +502,8 @@ class Llama(nnx.Module):
         the ``[V, D]`` LM head, for every device's rows, gathered by vocabulary.
 
         ``lora``: ``(slot [T] int32, weights)``, the LoRA adapters' slot of each token (-1: none)
-        and :class:`~jaxpaged.lora.LoRASlots`' weights; each projection adds its token's
-        low-rank update (:func:`lora_deltas`)."""
+        and :class:`~jaxpaged.lora.LoRASlots`' weights, per layer; each projection adds its
+        token's low-rank update (:func:`lora_deltas`)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -520,13 +524,11 @@ class Llama(nnx.Module):
             if dp_axis is not None:
                 raise ValueError("LoRA is not supported with dp_axis")
             lora_slot, lora_weights = lora
-            lora_rows = jax.nn.one_hot(lora_slot, lora_weights[0][0].shape[1], dtype=x.dtype)  # [T, S]; -1: zeros
+            lora_rows = jax.nn.one_hot(lora_slot, lora_weights[0][0][1].shape[1], dtype=x.dtype)  # [T, S]; -1: zeros
 
-        def lora_layer(layer):
-            """This layer's LoRA weights and the tokens' slots, or None without LoRA."""
-            if lora is None:
-                return None
-            return lora_rows, jax.tree.map(lambda w: w[layer], lora_weights)
+        def lora_layer(i: int):
+            """The tokens' slots and layer ``i``'s LoRA weights, or None without LoRA."""
+            return None if lora is None else (lora_rows, lora_weights[i])
 
         def attention(kv, q, k, v, layer):
             q = apply_rope(q, md.positions, inv_freq, rope_scale)
@@ -544,7 +546,7 @@ class Llama(nnx.Module):
         if not self.is_stacked:  # per-layer arrays, the CPU form (see unstacked)
             dot = functools.partial(_cpu_dot, out_in=self.layers[0].out_in, precision=prec)
 
-            def qkv_proj(p, x, lw):
+            def qkv_proj(p, lw, x):
                 h = rms_norm(x, p.input_norm[...], eps)
                 y = dot(h, p.wqkv[...])
                 if cfg.qkv_bias:
@@ -555,7 +557,7 @@ class Llama(nnx.Module):
                 return attention_inputs(cfg, p, q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H),
                                         add_bias=False)
 
-            def out_proj_mlp(p, x, o, lw):
+            def out_proj_mlp(p, lw, x, o):
                 o = o.reshape(T, N * H)
                 x = x + dot(o, p.wo[...])
                 if lw is not None:
@@ -574,17 +576,17 @@ class Llama(nnx.Module):
                     y = jax.lax.psum_scatter(y, dp_axis, tiled=True)
                 return x + y
 
-            # The switches' branches read their layer's arrays where they are and return only
-            # activations; the pool's update stays outside them, in the scan's carry.
-            qkv_branches = [functools.partial(qkv_proj, p) for p in self.layers]
-            mlp_branches = [functools.partial(out_proj_mlp, p) for p in self.layers]
+            # The switches' branches read their layer's arrays where they are (LoRA's too: under
+            # lax.scan a slice of stacked arrays is a copy) and return only activations; the
+            # pool's update stays outside them, in the scan's carry.
+            qkv_branches = [functools.partial(qkv_proj, p, lora_layer(i)) for i, p in enumerate(self.layers)]
+            mlp_branches = [functools.partial(out_proj_mlp, p, lora_layer(i)) for i, p in enumerate(self.layers)]
 
             def fused_layer_fn(carry, layer):
                 x, kv = carry
-                lw = lora_layer(layer)
-                q, k, v = jax.lax.switch(layer, qkv_branches, x, lw)
+                q, k, v = jax.lax.switch(layer, qkv_branches, x)
                 o, kv = attention(kv, q, k, v, layer)
-                return (jax.lax.switch(layer, mlp_branches, x, o, lw), kv), None
+                return (jax.lax.switch(layer, mlp_branches, x, o), kv), None
 
             (x, kv), _ = jax.lax.scan(fused_layer_fn, (x, kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
         else:
@@ -594,9 +596,9 @@ class Llama(nnx.Module):
 
             def layer_fn(carry, xs):
                 x, kv = carry
-                state, layer = xs
+                state, layer, lora_w = xs
                 p = nnx.merge(layer_def, state)
-                lw = lora_layer(layer)
+                lw = None if lora is None else (lora_rows, lora_w)
                 with jax.named_scope("attention"):
                     h = rms_norm(x, p.input_norm[...], eps)
                     q, k, v = matmul(h, p, ("wq", "wk", "wv"), layer)  # "TD,DNH->TNH", "TD,DKH->TKH"
@@ -621,7 +623,9 @@ class Llama(nnx.Module):
                 return (x, kv), None
 
             layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-            (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layer_state, layers))
+            # The LoRA weights stacked by layer too (None without LoRA), for the scan to slice.
+            stacked_lora = None if lora is None else jax.tree.map(lambda *w: jnp.stack(w), *lora_weights)
+            (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layer_state, layers, stacked_lora))
         if logits_indices is not None:
             x = x[logits_indices]
         x = rms_norm(x, self.final_norm[...], eps)

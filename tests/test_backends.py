@@ -186,6 +186,20 @@ def test_model_step_lowers_to_the_platforms_kernel(platform, decode, dtype):
     assert hlo.count("tf.aliasing_output") == 2  # the donated pool's k and v, on every platform
 
 
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_model_step_with_lora_lowers_for_accelerators(platform):
+    """A step holding LoRA requests (jaxpaged.lora: each token's slot, the slots' weights) lowers
+    with the platform's attention kernel and the pool still donated."""
+    from jaxpaged.lora import LoRAConfig, LoRASlots
+
+    args = step_args(False)
+    slots = LoRASlots(TINY, LoRAConfig(max_loras=2, max_lora_rank=8), jnp.float32, None)
+    lora = (i32(args[3].shape), abstract(slots.weights))
+    hlo = lower(jaxpaged.runner.StepPrograms().forward, *args, platform=platform, lora=lora)
+    assert kernels_in(hlo) == EXPECTED[platform]
+    assert hlo.count("tf.aliasing_output") == 2
+
+
 def sampling_args(rows=4):
     """A batch of every sampling option: penalties, top-k / top-p / min-p, logprobs, seeds."""
     sp = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3),
