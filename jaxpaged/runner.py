@@ -83,13 +83,14 @@ def split_model(model: Llama) -> tuple[_HashedOnce, tuple[jax.Array, ...]]:
 # The logits stay on the device between the two; the pool is donated to the model.
 # Jitted per geometry by StepPrograms (static_argnums=(0,), donate_argnums=(2,)).
 def _forward(structure: _HashedOnce, params: tuple[jax.Array, ...], kv: KVPool, tokens, md: AttentionMetadata,
-             logits_indices, *, return_hidden: bool = False, lora=None):
+             logits_indices, lora_weights=None, lora_slots=None, *, return_hidden: bool = False):
     """The model over one padded batch: logits at ``logits_indices`` ([N, V]) and the new pool;
     with ``return_hidden`` (a step holding embedding requests) their final hidden states [N, D]
-    too; ``lora``: the tokens' adapter slots and the slots' weights (a step holding LoRA
-    requests, jaxpaged.lora). ``structure``, ``params``: from :func:`split_model`."""
+    too; ``lora_weights``, ``lora_slots``: the LoRA slots' weights and each token's slot (a step
+    holding LoRA requests, jaxpaged.lora). ``structure``, ``params``: from :func:`split_model`."""
     graphdef, treedef = structure.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    lora = None if lora_slots is None else (lora_slots, lora_weights)
     return model(tokens, kv, md, logits_indices=logits_indices, return_hidden=return_hidden, lora=lora)
 
 
@@ -308,7 +309,9 @@ class StepPrograms:
     """The jitted step and block moves over one geometry's pool (shared through :data:`PROGRAMS`)."""
 
     def __init__(self):
-        self.forward = ShapedJit(_forward, unkeyed_argnums=(1, 2), static_argnums=(0,), donate_argnums=(2,),
+        # (The LoRA weights, 420 arrays for the default model, are left out of the key too: their
+        # shapes are one engine's; the tokens' slots tell LoRA steps apart.)
+        self.forward = ShapedJit(_forward, unkeyed_argnums=(1, 2, 6), static_argnums=(0,), donate_argnums=(2,),
                                  static_argnames=("return_hidden",))
         self.gather = ShapedJit(gather_blocks, unkeyed_argnums=(0,))
         self.scatter = ShapedJit(scatter_blocks, unkeyed_argnums=(0,), donate_argnums=(0,))
@@ -496,13 +499,13 @@ class ModelRunner:
         lora = batch.lora_slots is not None  # a step holding LoRA requests: their tokens' slots, the slots' weights
         self.compiled_shapes.add(("forward" + "+hidden" * pooling + "+lora" * lora, *batch.shape_key))
         hidden = None
-        extra = {"lora": (jax.device_put(batch.lora_slots, self._token_sharding), self.lora.weights)} if lora else {}
+        extra = (self.lora.weights, batch.lora_slots) if lora else ()
         if pooling:
             logits, self.kv, hidden = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx,
-                                                            return_hidden=True, **extra)
+                                                            *extra, return_hidden=True)
             hidden.copy_to_host_async()
         else:
-            logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx, **extra)
+            logits, self.kv = self.programs.forward(self.structure, self.params, self.kv, tokens, md, idx, *extra)
         step = InFlight(batch, None, None, {r.seq.seq_id: i for i, r in enumerate(batch.rows)}, logits, hidden)
         if not defer_sampling:
             self.launch_sampler(step)

@@ -194,8 +194,8 @@ def test_model_step_with_lora_lowers_for_accelerators(platform):
 
     args = step_args(False)
     slots = LoRASlots(TINY, LoRAConfig(max_loras=2, max_lora_rank=8), jnp.float32, None)
-    lora = (i32(args[3].shape), abstract(slots.weights))
-    hlo = lower(jaxpaged.runner.StepPrograms().forward, *args, platform=platform, lora=lora)
+    hlo = lower(jaxpaged.runner.StepPrograms().forward, *args, abstract(slots.weights), i32(args[3].shape),
+                platform=platform)
     assert kernels_in(hlo) == EXPECTED[platform]
     assert hlo.count("tf.aliasing_output") == 2
 
