@@ -59,11 +59,18 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # The LoRA adapters (names, sorted) of the running (swapped included) and the waiting requests.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of the KV pool's blocks in use, 0 to 1."""
         return self.num_used_blocks / self.num_blocks
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.request.lora_name for r in requests if r.lora is not None}))
 
 
 @dataclasses.dataclass
@@ -400,7 +407,9 @@ class AsyncLLM:
             num_used_blocks=mem.num_used_blocks, num_blocks=mem.num_blocks,
             prefix_cache_hit_rate=self.llm.bm.prefix_cache_stats.hit_rate, num_preemptions=sched.num_preemptions,
             spec_num_drafts=sched.num_drafts, spec_num_draft_tokens=sched.num_draft_tokens,
-            spec_num_accepted_tokens=sched.num_accepted_tokens)
+            spec_num_accepted_tokens=sched.num_accepted_tokens,
+            running_lora_adapters=_adapter_names([*sched.running, *sched.swapped]),
+            waiting_lora_adapters=_adapter_names(sched.waiting))
         it = IterationStats(stats)
         now = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -21,7 +21,11 @@ walks the running and the queued (waiting or preempted) requests in that order:
    fork also waits for its forks' regions. While it does not fit, it preempts the running
    requests after it, last first (only under priority scheduling are there any). It waits
    in a step that preempted a request no worse than it (under FCFS: in any step that
-   preempted), and the first that waits stops the queue for the step.
+   preempted), and the first that waits stops the queue for the step. With LoRA
+   (``max_loras``), a queued request whose adapter would make one more than ``max_loras``
+   among the running requests is passed over instead (vLLM's rule): the walk goes on to the
+   next queued request, which may start before it; it waits until a running request of
+   another adapter ends.
 
 Preemption frees every block of a request: ``"recompute"`` sends it back to the waiting
 queue (its prompt and output are prefilled again later, and hit the prefix cache if it
@@ -39,7 +43,8 @@ Guarantees (``tests/test_engine_traffic.py`` checks them under random traffic):
   running request arrived before every waiting or preempted one, so the oldest running
   request is never preempted. Under priority scheduling a request that arrives with a
   better priority than running ones preempts them when it does not fit beside them (vLLM
-  V1 only preempts for running requests; its V0 did this too).
+  V1 only preempts for running requests; its V0 did this too). The one exception to both:
+  a request passed over for its LoRA adapter waits while later requests run.
 - **Progress.** Every step either advances the best running request, or finishes a
   request. A request that cannot fit the pool even alone (its sequences outgrew it; never
   one that fits it alone on the same engine) is finished: its live sequences with

@@ -45,6 +45,13 @@ class _EngineState:
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
         ):
             yield CounterMetricFamily(f"jaxpaged:{name}", doc, value=value)
+        lora = self.engine.llm.inputs.lora
+        if lora is not None:  # vLLM's lora_requests_info: the adapters in labels, the value a timestamp
+            info = GaugeMetricFamily("jaxpaged:lora_requests_info", "Running and waiting LoRA adapters.",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters),
+                             str(lora.config.max_loras)], time.time())
+            yield info
 
 
 class Metrics:

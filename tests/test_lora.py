@@ -57,8 +57,8 @@ def oracle(models, name, prompt, max_tokens, cache={}):
     if key not in cache:
         m = models[name]
         with torch.no_grad():
-            out = m.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+            out = m.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False)
         cache[key] = out[0, len(prompt):].tolist()
     return cache[key]
 
@@ -272,8 +272,11 @@ def test_the_server_serves_each_adapter_by_name(lora_setup):
             missing = h.post("/v1/completions", json={"model": "qv4", "prompt": prompt, "max_tokens": 2})
             assert missing.status_code == 404 and "'tiny-llama', 'all8', 'mlp16'" in missing.json()["error"]["message"]
             emb = h.post("/v1/embeddings", json={"model": "mlp16", "input": [prompt]}).json()
+            info = [line for line in h.get("/metrics").text.splitlines() if line.startswith("jaxpaged:lora_requests")]
+            assert len(info) == 1 and 'max_lora="1"' in info[0] and 'running_lora_adapters=""' in info[0], info
         with torch.no_grad():
-            hidden = peft_models["mlp16"].base_model.model.model(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
+            decoder = peft_models["mlp16"].base_model.model.model
+            hidden = decoder(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
         np.testing.assert_allclose(emb["data"][0]["embedding"], hidden / np.linalg.norm(hidden), atol=1e-5)
     finally:
         served.stop()
