@@ -422,6 +422,24 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` (with runtime LoRA updating): serve the PEFT folder
+    ``lora_path`` as model ``lora_name``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter``: stop serving ``lora_name``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    lora_name: str
+
+
 class EmbeddingRequest(BaseModel):
     """``POST /v1/embeddings`` (OpenAI's; vLLM's ``truncate_prompt_tokens``, ``normalize`` and
     ``priority`` too). ``dimensions`` keeps the first that many values, normalized again

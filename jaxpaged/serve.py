@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -36,7 +37,8 @@ from jaxpaged.chat_template import ChatTemplateError, check_syntax, load_chat_te
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.lora import LoRARequest
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      EmbeddingRequest, TokenizeRequest, chat_logprobs, chat_response,
+                                      EmbeddingRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                      UnloadLoRAAdapterRequest, chat_logprobs, chat_response,
                                       completion_response, embedding_invalid, embedding_response, invalid)
 from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, ResponseStore, Stored, as_responses_error,
                                       conversation_after, final_status, item_page, new_response_id, now, plain,
@@ -58,7 +60,7 @@ _TYPE_IN_LOC = re.compile(r"(str|int|float|bool|none|dict|list)(\[.*\])?")
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
               tool_call_parser: str | None = None, responses_store_size: int = 1024, chat_template: str | None = None,
               trust_request_chat_template: bool = False, return_tokens_as_token_ids: bool = False,
-              lora_modules: Sequence[LoRARequest] = ()):
+              lora_modules: Sequence[LoRARequest] = (), allow_runtime_lora_updating: bool = False):
     """The FastAPI app serving ``engine`` under the name ``served_model_name``; with
     ``api_key``, the ``/v1`` routes need ``Authorization: Bearer <api_key>``. With
     ``tool_call_parser`` (one of :data:`~jaxpaged.tool_calling.TOOL_PARSERS`), chat requests may
@@ -69,7 +71,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     ``trust_request_chat_template``. ``return_tokens_as_token_ids``: logprobs name tokens
     ``"token_id:<id>"`` unless a request says otherwise (vLLM's). ``lora_modules``: LoRA adapters
     served by their names beside the base model (a request's ``model`` picks one; the engine
-    must have ``enable_lora``), as vLLM's ``--lora-modules``."""
+    must have ``enable_lora``), as vLLM's ``--lora-modules``; ``allow_runtime_lora_updating``: vLLM's
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change them while the server runs."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     if responses_store_size < 0:
@@ -132,8 +135,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     adapters = {r.lora_name: r for r in lora_modules}
     if served_model_name in adapters:
         raise ValueError(f"LoRA module {served_model_name!r} has the served model's name")
-    if adapters and engine.llm.inputs.lora is None:
-        raise ValueError("lora_modules need an engine with enable_lora=True")
+    if (adapters or allow_runtime_lora_updating) and engine.llm.inputs.lora is None:
+        raise ValueError("lora_modules and runtime LoRA updating need an engine with enable_lora=True")
+    next_lora_id = itertools.count(max((r.lora_int_id for r in adapters.values()), default=0) + 1)
 
     def check_model(name: str | None) -> LoRARequest | None:
         """The LoRA adapter the request's ``model`` names (None: the base model)."""
@@ -393,6 +397,30 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                            param="tokens", code="invalid_value")
         return {"prompt": await engine.run_on_tokenizer_thread(tok.decode, body.tokens)}
 
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            """vLLM's: serve another adapter, loaded and checked now (on the tokenizer thread, where
+            requests' adapters load); running requests go on."""
+            if body.lora_name in adapters or body.lora_name == served_model_name:
+                raise APIError(400, f"the model {body.lora_name!r} is already served", param="lora_name",
+                               code="invalid_value")
+            req = LoRARequest(body.lora_name, next(next_lora_id), body.lora_path)
+            try:
+                await engine.run_on_tokenizer_thread(engine.llm.inputs.lora.get, req)
+            except (ValueError, TypeError, OSError) as e:
+                raise APIError(400, str(e), param="lora_path", code="invalid_value") from None
+            adapters[req.lora_name] = req
+            return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            """vLLM's: stop serving an adapter (requests already running with it finish with it)."""
+            if adapters.pop(body.lora_name, None) is None:
+                raise APIError(404, f"no LoRA adapter {body.lora_name!r} is served", param="lora_name",
+                               code="not_found")
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
     @app.get("/v1/models")
     async def models():
         base = {"id": served_model_name, "object": "model", "created": metrics.started, "owned_by": "jaxpaged",
@@ -492,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters (PEFT folders) served by name beside the base model, a request's model "
                         'picking one: name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}; '
                         "needs --enable-lora")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --enable-lora")
     add_engine_args(p)
     return p
 
@@ -527,8 +558,10 @@ def run(argv: list[str] | None = None) -> int:
         parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
     if args.responses_store_size < 0:
         parser.error(f"--responses-store-size must be at least 0, got {args.responses_store_size}")
-    if args.lora_modules and not args.enable_lora:
-        parser.error("--lora-modules needs --enable-lora")
+    for flag, given in (("--lora-modules", args.lora_modules),
+                        ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating)):
+        if given and not args.enable_lora:
+            parser.error(f"{flag} needs --enable-lora")
     names = [m["name"] for m in args.lora_modules]
     if len(set(names)) < len(names):
         parser.error(f"--lora-modules: a name twice in {names}")
@@ -550,7 +583,8 @@ def run(argv: list[str] | None = None) -> int:
     app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser,
                     responses_store_size=args.responses_store_size, chat_template=template,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=loras)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=loras,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -247,16 +247,16 @@ def test_what_is_refused_is_named_before_anything_runs(lora_setup, tmp_path):
 
 def test_the_server_serves_each_adapter_by_name(lora_setup):
     """``lora_modules`` (``--lora-modules``): a request's ``model`` picks its adapter (or the base
-    model) in completions, chat-free ids and embeddings; the tokens are PEFT's; ``/v1/models``
-    lists the adapters with the base model as their parent; an unknown name is a 404 naming
-    what is served."""
+    model) in completions and embeddings; the tokens are PEFT's; ``/v1/models`` lists the adapters
+    with the base model as their parent; an unknown name is a 404 naming what is served; vLLM's
+    load and unload endpoints change the adapters while the server runs."""
     import httpx
     from test_server import AUTH, MODEL, Running
 
     lm, _, peft_models, requests = lora_setup
     models = with_base(lora_setup)
     served = Running(LLM(lm, num_blocks=96, block_size=BS, enable_lora=True, max_loras=1, max_lora_rank=MAX_RANK),
-                     lora_modules=[requests["all8"], requests["mlp16"]])
+                     lora_modules=[requests["all8"], requests["mlp16"]], allow_runtime_lora_updating=True)
     prompt = list(range(30, 41))
     try:
         with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as h:
@@ -274,6 +274,21 @@ def test_the_server_serves_each_adapter_by_name(lora_setup):
             emb = h.post("/v1/embeddings", json={"model": "mlp16", "input": [prompt]}).json()
             info = [line for line in h.get("/metrics").text.splitlines() if line.startswith("jaxpaged:lora_requests")]
             assert len(info) == 1 and 'max_lora="1"' in info[0] and 'running_lora_adapters=""' in info[0], info
+            # vLLM's runtime updating: an adapter added, one removed (a request naming it is then a 404).
+            loaded = h.post("/v1/load_lora_adapter", json={"lora_name": "qv4", "lora_path": requests["qv4"].lora_path})
+            assert loaded.status_code == 200, loaded.text
+            body = {"model": "qv4", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            assert h.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == oracle(models, "qv4",
+                                                                                                     prompt, 8)
+            again = h.post("/v1/load_lora_adapter", json={"lora_name": "qv4", "lora_path": "/elsewhere"})
+            assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
+            bad = h.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/no/such/folder"})
+            assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+            assert h.post("/v1/unload_lora_adapter", json={"lora_name": "all8"}).status_code == 200
+            assert h.post("/v1/completions", json={**body, "model": "all8"}).status_code == 404
+            assert h.post("/v1/unload_lora_adapter", json={"lora_name": "all8"}).status_code == 404
+            assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [MODEL, "mlp16", "qv4"]
         with torch.no_grad():
             decoder = peft_models["mlp16"].base_model.model.model
             hidden = decoder(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
