@@ -169,17 +169,22 @@ class LoRAManager:
     def __init__(self, cfg, config: LoRAConfig):
         self.cfg, self.config = cfg, config
         self._loaded: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
+        # Every id ever loaded and its adapter's request: an id names one adapter for the engine's
+        # life (device slots and requests still running hold adapters by id).
+        self._ids: dict[int, LoRARequest] = {}
 
     def get(self, req: LoRARequest) -> LoRAAdapter:
         if not isinstance(req, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, got {type(req).__name__}")
+        known = self._ids.get(req.lora_int_id)
+        if known is not None and str(known.lora_path) != str(req.lora_path):
+            raise ValueError(f"lora_int_id {req.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}); "
+                             f"{req.lora_name!r} names {req.lora_path}")
         adapter = self._loaded.get(req.lora_int_id)
-        if adapter is not None and adapter.request.lora_path != req.lora_path:
-            raise ValueError(f"lora_int_id {req.lora_int_id} is adapter {adapter.request.lora_name!r} "
-                             f"({adapter.request.lora_path}); {req.lora_name!r} names {req.lora_path}")
         if adapter is None:
             adapter = load_adapter(req, self.cfg, self.config.max_lora_rank)
             self._loaded[req.lora_int_id] = adapter
+            self._ids.setdefault(req.lora_int_id, req)
             while len(self._loaded) > (self.config.max_cpu_loras or self.config.max_loras):
                 self._loaded.popitem(last=False)
         self._loaded.move_to_end(req.lora_int_id)

@@ -225,6 +225,11 @@ def test_what_is_refused_is_named_before_anything_runs(lora_setup, tmp_path):
     llm.add_request([1, 2], GREEDY, lora_request=a)
     with pytest.raises(ValueError, match="lora_int_id 1 is adapter 'all8'"):
         llm.add_request([1, 2], GREEDY, lora_request=LoRARequest("other", 1, str(dora)))
+    # An id names one adapter for the engine's life, also once its weights have left the host (max_cpu_loras 1).
+    copy_of_a = LoRARequest("copy", 20, str(_copy_adapter(a.lora_path, tmp_path / "copy")))
+    assert llm.inputs.lora.get(copy_of_a).id == 20
+    with pytest.raises(ValueError, match="lora_int_id 1 is adapter 'all8'"):
+        llm.inputs.lora.get(LoRARequest("other", 1, str(dora)))
     with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
         LoRARequest("zero", 0, a.lora_path)
     with pytest.raises(ValueError, match="one per prompt"):
