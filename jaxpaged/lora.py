@@ -9,10 +9,10 @@ projections. The engine never merges them into the base weights:
 - :class:`LoRAManager` (host) loads an adapter the first time a request names it, checks it
   against the model (shapes, rank at most ``max_lora_rank``, nothing PEFT stores that this
   engine does not apply), and keeps the ``max_cpu_loras`` most recently used in host memory.
-- :class:`LoRASlots` (one per model runner) holds ``max_loras`` adapters on the device, each
-  projection's ``A`` and ``B`` stacked as ``[layers, slots, in, rank]`` and ``[layers, slots,
-  rank, out]`` (ranks padded with zeros to ``max_lora_rank``, the scale folded into ``B``); a
-  step's adapters take slots, the least recently used others giving theirs up.
+- :class:`LoRASlots` (one per model runner) holds ``max_loras`` adapters on the device: per
+  layer and projection, every slot's ``A`` as ``[slots, rank, in]`` and ``B`` as ``[out, slots,
+  rank]`` (ranks padded with zeros to ``max_lora_rank``, the scale folded into ``B``); a step's
+  adapters take slots, the least recently used others giving theirs up.
 - The scheduler runs at most ``max_loras`` adapters at a time: a waiting request whose adapter
   would be one more is passed over (later ones may start) until a running one's ends.
 - The forward adds, per token, ``(x A_s) B_s`` of its slot ``s`` (Punica's batched form, in two
