@@ -352,8 +352,8 @@ class ChatCompletionRequest(OpenAIRequest, ChatTemplateFields):
             return {"mode": "named", "name": choice.name}
         if choice.kind == "required":
             return {"mode": "required", "max_calls": max_calls}
-        if choice.kind == "auto":
-            return {"mode": tool_call_parser, "max_calls": max_calls}
+        if choice.kind == "auto":  # (the tools' schemas type qwen3_coder's parameter values)
+            return {"mode": tool_call_parser, "max_calls": max_calls, "tools": self.tools}
         return None
 
     @property

@@ -508,8 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help='let chat requests leave tool calls to the model (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="the model's tool call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen), "
-                        "llama3_json (Llama 3.1-3.3's JSON calls), pythonic ([f(a=1), g()]: Llama 3.2) or mistral "
-                        "([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral)")
+                        "llama3_json (Llama 3.1-3.3's JSON calls), pythonic ([f(a=1), g()]: Llama 3.2), mistral "
+                        "([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral) or qwen3_coder (alias "
+                        "qwen3_xml: <tool_call><function=f><parameter=a>1</parameter></function></tool_call>: "
+                        "Qwen3-Coder, Qwen3.5)")
     p.add_argument("--chat-template",
                    help="the chat template to use instead of the model's: a file, or the Jinja template itself")
     p.add_argument("--trust-request-chat-template", action="store_true",

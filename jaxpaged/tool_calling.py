@@ -17,7 +17,9 @@
   list of calls with literal keyword arguments, ``[get_weather(city="Paris"), f()]``: Llama
   3.2, ToolACE) or ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``:
   Mistral-7B-Instruct-v0.3, Mistral-Nemo; or ``[TOOL_CALLS]name[ARGS]{...}`` per call: the
-  newer Mistral models);
+  newer Mistral models) or ``qwen3_coder`` (``<tool_call><function=name><parameter=key>value
+  </parameter>...</function></tool_call>``, the values typed by the tool's schema: Qwen3-Coder,
+  Qwen3.5; also named ``qwen3_xml``);
 - ``"none"``: plain text.
 
 A :class:`ToolCallStream` turns a reply's text into content and tool calls as it grows; the
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import secrets
 import string
 import uuid
@@ -38,7 +41,7 @@ from typing import Any
 
 from jaxpaged.input_processor import check_strings
 
-TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+TOOL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "qwen3_xml")
 
 
 def tool_call_id() -> str:
@@ -464,6 +467,92 @@ def _python_call(text: str) -> ToolCall | None:
         return None
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>")
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+class _XmlCall:
+    """A qwen3_coder block's call as its text comes (``feed``, the block's text so far): ``name``
+    once ``<function=name>`` is read, ``arguments`` the JSON object of the parameters read so far
+    (``{"key": value, ...``), closed with ``}`` at ``</function>`` or the block's end."""
+
+    def __init__(self, parameters: dict[str, dict]):
+        self.parameters = parameters  # tool name -> its parameters' schemas
+        self.name: str | None = None
+        self.arguments = ""
+        self.pos = 0  # where the next parameter may begin
+        self.done = False
+
+    def feed(self, body: str, *, closed: bool) -> None:
+        if self.name is None:
+            m = _XML_FUNCTION.search(body)
+            if m is None:
+                return
+            self.name, self.pos, self.arguments = m.group(1).strip(), m.end(), "{"
+        schemas = self.parameters.get(self.name, {})
+        while not self.done:
+            m = _XML_PARAMETER.search(body, self.pos)
+            f = body.find("</function>", self.pos)
+            if m is not None and (f < 0 or m.start() < f):
+                key = m.group(1).strip()
+                value = _xml_value(m.group(2), schemas.get(key))
+                self.arguments += ("" if self.arguments == "{" else ", ") + f"{_json(key)}: {_json(value)}"
+                self.pos = m.end()
+            else:
+                self.done = f >= 0 or closed
+                if self.done:
+                    self.arguments += "}"
+                break
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _xml_value(text: str, schema: dict | None) -> Any:
+    """A qwen3_coder parameter's value (its text less one newline at each end) as its schema
+    types it (vLLM's rules): ``string`` as written, ``integer`` / ``number`` / ``boolean`` parsed
+    (as written where they do not parse), ``object`` / ``array`` and others JSON (or a Python
+    literal); ``null`` is None. Without a type: the value of ``enum`` it spells, else JSON, else
+    the text."""
+    text = text[1:] if text.startswith("\n") else text
+    text = text[:-1] if text.endswith("\n") else text
+    if text.strip().lower() == "null":
+        return None
+    schema = schema if isinstance(schema, dict) else {}
+    kind = schema.get("type")
+    kind = next((k for k in kind if k != "null"), None) if isinstance(kind, list) else kind
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return text
+    if kind in ("integer", "int"):
+        try:
+            return int(text.strip())
+        except ValueError:
+            return text
+    if kind in ("number", "float"):
+        try:
+            x = float(text.strip())
+        except ValueError:
+            return text
+        return int(x) if x.is_integer() and "." not in text and "e" not in text.lower() else x
+    if kind in ("boolean", "bool"):
+        return {"true": True, "false": False}.get(text.strip().lower(), text)
+    if kind is None and isinstance(schema.get("enum"), list):
+        for v in schema["enum"]:
+            if text.strip() in (str(v), json.dumps(v)):
+                return v
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    if kind is not None:
+        try:
+            return ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            pass
+    return text
+
+
 @dataclass
 class Update:
     """What a reply gained: content text and tool-call deltas (OpenAI's ``delta.tool_calls`` items),
@@ -502,12 +591,21 @@ class ToolCallStream:
     ``"pythonic"``: a reply whose list's first element is a call is calls, each sent whole when
     its element ends; elements that are no call, one cut short, and the text after the list are
     content. Any other reply is content. A reply with no call is its own content, unchanged.
+    ``"qwen3_coder"`` (``"qwen3_xml"``): text outside ``<tool_call>`` blocks is content, as for
+    hermes; a block's ``<function=name>`` is a call, sent once its name is read, its arguments a
+    JSON object of its ``<parameter=key>value</parameter>`` pairs, each value typed by ``tools``
+    (:func:`_xml_value`), the object sent a pair at a time as each ends (closed at
+    ``</function>``, or at the block's end). A block with no function is content, tags and all.
     """
 
-    def __init__(self, mode: str, *, name: str | None = None, max_calls: int | None = None):
+    def __init__(self, mode: str, *, name: str | None = None, max_calls: int | None = None,
+                 tools: list[dict] | None = None):
         if mode not in ("named", "required", *TOOL_PARSERS):
             raise ValueError(f"unknown tool call mode {mode!r}; known: named, required, {', '.join(TOOL_PARSERS)}")
         self.mode, self.name, self.max_calls = mode, name, max_calls
+        # qwen3_coder: each tool's parameter schemas, to type the values of its calls' parameters.
+        self.parameters = {t["function"]["name"]: _parameters(t).get("properties") or {} for t in tools or ()}
+        self.xml: _XmlCall | None = None  # qwen3_coder: the open block's call
         self.calls: list[ToolCall] = []
         self.pending = ""  # text not yet sent as content or taken into a call
         self.held_space = ""  # whitespace-only content held back
@@ -554,6 +652,8 @@ class ToolCallStream:
             self._llama(piece, u)
         elif self.mode == "pythonic":
             self._pythonic(piece, u)
+        elif self.mode in ("qwen3_coder", "qwen3_xml"):
+            self._qwen3_coder(piece, u)
         else:
             self._mistral(piece, u)
         if finished:
@@ -776,6 +876,34 @@ class ToolCallStream:
                 return
             if self.block_call is None and not self._add_call(_call(body, ("arguments",)), u):
                 self._content(start + body + ("" if j < 0 else end), u)
+            self.pending = "" if j < 0 else self.pending[j + len(end):]
+            self.in_call = False
+            if j < 0:
+                return
+
+    def _qwen3_coder(self, piece: str, u: Update) -> None:
+        """Text outside ``<tool_call>`` blocks is content; a block's function is a call (see the
+        class docstring), a block without one content, tags and all."""
+        start, end = "<tool_call>", "</tool_call>"
+        self.pending += piece
+        while True:
+            if not self.in_call:
+                if not self._content_to(start, u):
+                    return
+                self.in_call = True
+                self.xml, self.block_call = _XmlCall(self.parameters), None
+            j = self.pending.find(end)
+            keep = 0 if j >= 0 or self.finished else partial_suffix(self.pending, end)
+            body = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - keep]
+            self.xml.feed(body, closed=j >= 0)
+            if self.xml.name is not None:
+                self.block_call = self._stream_call(self.block_call, self.xml.name, self.xml.arguments, u)
+            if j < 0 and not self.finished:
+                return
+            if self.xml.name is None:
+                self._content(start + body + ("" if j < 0 else end), u)
+            elif self.block_call is None:  # (not yet sent: a call whose name came with the block's end)
+                self._add_call(ToolCall(self.xml.name, self.xml.arguments), u)
             self.pending = "" if j < 0 else self.pending[j + len(end):]
             self.in_call = False
             if j < 0:

@@ -307,6 +307,73 @@ def test_mistral_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, c
     assert all(len(c.id) == 9 and c.id.isalnum() for c in s.calls)  # what Mistral's templates take
 
 
+# qwen3_coder: a tool whose parameters have every type the parser converts (and one with none).
+XML_TOOL = {"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "s": {"type": "string"},
+    "o": {"type": "object"}, "l": {"type": ["array", "null"]}, "e": {"enum": [1, "two"]}}}}}
+XML_VALUES = {"n": st.integers(-99, 99), "x": st.floats(-10, 10, allow_nan=False).map(lambda v: round(v, 3)),
+              "ok": st.booleans(), "s": st.text("ab <>/_{}\"\n", max_size=10), "o": st.just({"k": [1, "v"]}),
+              "l": st.sampled_from([[1, 2], None]), "e": st.sampled_from([1, "two"])}
+
+
+def xml_text(v) -> str:
+    """How a Qwen3-Coder model writes a parameter's value."""
+    return v if isinstance(v, str) else "null" if v is None else json.dumps(v)
+
+
+@st.composite
+def qwen3_coder_replies(draw):
+    """A qwen3_coder reply: ``(text, its content, its calls)``, with text, whitespace, blocks with no
+    function (content) and calls of typed parameters in any order, the last maybe cut short."""
+    parts = draw(st.lists(st.one_of(
+        st.tuples(st.just("text"), TEXT),
+        st.tuples(st.just("space"), st.sampled_from(["\n", " ", "\n\n"])),
+        st.tuples(st.just("call"), st.lists(st.sampled_from(sorted(XML_VALUES)), unique=True, max_size=4).flatmap(
+            lambda keys: st.tuples(*(st.tuples(st.just(k), XML_VALUES[k]) for k in keys)))),
+        st.tuples(st.just("broken"), st.sampled_from(["", "{}", "<parameter=n>\n1\n</parameter>", "function=f>"])),
+    ), max_size=5))
+    cut = draw(st.booleans())
+    text, calls, chunks = "", [], [""]
+    for i, (kind, value) in enumerate(parts):
+        if kind == "call":
+            last = cut and i == len(parts) - 1
+            params = "".join(f"<parameter={k}>\n{xml_text(v)}\n</parameter>\n" for k, v in value)
+            text += "<tool_call>\n<function=edit>\n" + params + ("" if last else "</function>\n</tool_call>")
+            args = json.dumps(dict(value), ensure_ascii=False)
+            calls.append({"name": "edit", "arguments": args[:-1] if last else args})  # cut short: no closing brace
+            chunks.append("")
+        else:
+            piece = value if kind in ("text", "space") else f"<tool_call>{value}</tool_call>"
+            text += piece
+            chunks[-1] += piece
+    content = text if not calls else "".join(c.rstrip() for c in chunks)
+    return text, content, calls
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(qwen3_coder_replies(), st.lists(st.integers(0, 300), max_size=8))
+def test_qwen3_coder_calls_streamed_in_any_pieces_add_up_to_the_whole_reply(reply, cuts):
+    """Each parameter's value comes typed by the tool's schema; the arguments stream a parameter at a time."""
+    text, content, calls = reply
+    whole = run("qwen3_coder", [text], tools=[XML_TOOL])[:2]
+    assert run("qwen3_xml", pieces_of(text, cuts), tools=[XML_TOOL])[:2] == whole
+    assert whole == (content, calls)
+
+
+def test_qwen3_coder_values_are_typed_as_vllm_types_them():
+    from jaxpaged.tool_calling import _xml_value
+
+    for text, schema, want in (("\n7\n", {"type": "integer"}, 7), ("seven", {"type": "integer"}, "seven"),
+                               ("2", {"type": "number"}, 2), ("2.5", {"type": "number"}, 2.5),
+                               ("2.0", {"type": "number"}, 2.0), ("True", {"type": "boolean"}, True),
+                               ("\n\nx\n\n", {"type": "string"}, "\nx\n"), ("null", {"type": "string"}, None),
+                               ("[1, 'a']", {"type": "array"}, [1, "a"]), ('{"a": 1}', {"type": "object"}, {"a": 1}),
+                               ("two", {"enum": [1, "two"]}, "two"), ("1", {"enum": [1, "two"]}, 1),
+                               ("3", None, 3), ("Paris", None, "Paris"), ("{bad", {"type": "object"}, "{bad")):
+        got = _xml_value(text, schema)
+        assert got == want and type(got) is type(want), (text, schema, got)
+
+
 def test_pythonic_calls_go_out_as_their_elements_end():
     s = ToolCallStream("pythonic")
     pieces = ['[get_weather(city="Par', 'is, \\"FR\\")"), ', "add(a=1, b=[2, {'c': None}]", ")", "] Done."]
@@ -576,6 +643,9 @@ PARSED_REPLIES = {
     "pythonic": r'\[get_weather\(city="(Paris|Rome)", unit="C"\), add\(a=1, b=3\)\] Done\.',
     "mistral": r'Done\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)", "unit": "C"\}'
                r'\[TOOL_CALLS\]add\[ARGS\]\{"a": 1, "b": 3\}',
+    "qwen3_coder": r"<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n"
+                   r"<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n"
+                   r"<parameter=a>\n1\n</parameter>\n<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>Done\.",
 }
 
 
@@ -584,7 +654,7 @@ def test_auto_tool_choice_finds_the_models_own_calls_with_the_other_parsers(tiny
     server = Running(LLM(tiny_engine_model, **ENGINE), tool_call_parser=parser)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-        kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=80, temperature=0.8,
+        kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=120, temperature=0.8,
                   seed=3, extra_body={"structured_outputs": {"regex": PARSED_REPLIES[parser]}})
         w = whole(client, **kw)
         content, calls, reason = w
