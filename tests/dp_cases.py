@@ -240,9 +240,9 @@ def test_lora_on_two_replicas_gives_what_one_engine_gives(model, tmp_path):
     loras = [LoRARequest(name, i, str(write_lora_adapter(tmp_path / name, model.config, rank=2, alpha=4, seed=i,
                                                              modules=("k_proj", "gate_proj"))))
              for i, name in enumerate("ab", 1)]
-    prompts, _ = _requests(model.config.vocab_size)
+    prompts = _requests(model.config.vocab_size)[0][:6]
     per_prompt = [(None, *loras)[i % 3] for i in range(len(prompts))]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = LLM(model, enable_lora=True, **ENGINE).generate(prompts, params, lora_request=per_prompt, use_tqdm=False)
     llm = LLM(model, data_parallel_size=2, enable_lora=True, **ENGINE)
     got = llm.generate(prompts, params, lora_request=per_prompt, use_tqdm=False)
