@@ -467,6 +467,7 @@ def _python_call(text: str) -> ToolCall | None:
         return None
 
 
+_BLOCK_START, _BLOCK_END = "<tool_call>", "</tool_call>"  # hermes's and qwen3_coder's blocks
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>")
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -855,56 +856,65 @@ class ToolCallStream:
         is read and its ``arguments`` object opens, its arguments (as written) as they come. A
         block that never gets that far is parsed whole at its end: a call if it holds ``{"name",
         "arguments"}`` (in any order), else content, tags and all."""
-        start, end = "<tool_call>", "</tool_call>"
-        self.pending += piece
-        while True:
-            if not self.in_call:
-                if not self._content_to(start, u):
-                    return
-                self.in_call = True
-                self.block, self.block_call = _Calls(1, ("arguments",)), None
-            j = self.pending.find(end, len(self.block.buf))  # (the tags in what the block read are its text)
+
+        def begin():
+            self.block, self.block_call = _Calls(1, ("arguments",)), None
+
+        def end_at() -> int:
+            j = self.pending.find(_BLOCK_END, len(self.block.buf))  # (the tags in what the block read are its text)
             while j >= 0:  # an end tag inside a string of the call's open arguments is the arguments' text
                 self._stream_block(self.pending[:j], u)
                 if self.block.open_call is None or not self.block.in_string:
                     break
-                j = self.pending.find(end, j + 1)
-            keep = 0 if j >= 0 or self.finished else partial_suffix(self.pending, end)
-            body = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - keep]
-            self._stream_block(body, u)
-            if j < 0 and not self.finished:
-                return
-            if self.block_call is None and not self._add_call(_call(body, ("arguments",)), u):
-                self._content(start + body + ("" if j < 0 else end), u)
-            self.pending = "" if j < 0 else self.pending[j + len(end):]
-            self.in_call = False
-            if j < 0:
-                return
+                j = self.pending.find(_BLOCK_END, j + 1)
+            return j
+
+        def finish(body: str) -> bool:
+            return self.block_call is not None or self._add_call(_call(body, ("arguments",)), u)
+
+        self._blocks(piece, u, begin, end_at, lambda body, closed: self._stream_block(body, u), finish)
 
     def _qwen3_coder(self, piece: str, u: Update) -> None:
         """Text outside ``<tool_call>`` blocks is content; a block's function is a call (see the
         class docstring), a block without one content, tags and all."""
-        start, end = "<tool_call>", "</tool_call>"
+
+        def begin():
+            self.xml, self.block_call = _XmlCall(self.parameters), None
+
+        def read(body: str, closed: bool):
+            self.xml.feed(body, closed=closed)
+            if self.xml.name is not None:
+                self.block_call = self._stream_call(self.block_call, self.xml.name, self.xml.arguments, u)
+
+        def finish(body: str) -> bool:
+            if self.xml.name is not None and self.block_call is None:  # (a call whose name came at the block's end)
+                self._add_call(ToolCall(self.xml.name, self.xml.arguments), u)
+            return self.xml.name is not None
+
+        self._blocks(piece, u, begin, lambda: self.pending.find(_BLOCK_END), read, finish)
+
+    def _blocks(self, piece: str, u: Update, begin, end_at, read, finish) -> None:
+        """hermes, qwen3_coder: text outside ``<tool_call>`` blocks is content (an opening tag that
+        may be coming held back); a block's text goes to ``read(body, closed)`` as it comes, up to
+        its end tag (``end_at()``: where it is, or -1) or the reply's end, then to ``finish(body)``:
+        False if the block held no call, which is then content, tags and all. ``begin()`` starts
+        each block."""
         self.pending += piece
         while True:
             if not self.in_call:
-                if not self._content_to(start, u):
+                if not self._content_to(_BLOCK_START, u):
                     return
                 self.in_call = True
-                self.xml, self.block_call = _XmlCall(self.parameters), None
-            j = self.pending.find(end)
-            keep = 0 if j >= 0 or self.finished else partial_suffix(self.pending, end)
+                begin()
+            j = end_at()
+            keep = 0 if j >= 0 or self.finished else partial_suffix(self.pending, _BLOCK_END)
             body = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - keep]
-            self.xml.feed(body, closed=j >= 0)
-            if self.xml.name is not None:
-                self.block_call = self._stream_call(self.block_call, self.xml.name, self.xml.arguments, u)
+            read(body, j >= 0)
             if j < 0 and not self.finished:
                 return
-            if self.xml.name is None:
-                self._content(start + body + ("" if j < 0 else end), u)
-            elif self.block_call is None:  # (not yet sent: a call whose name came with the block's end)
-                self._add_call(ToolCall(self.xml.name, self.xml.arguments), u)
-            self.pending = "" if j < 0 else self.pending[j + len(end):]
+            if not finish(body):
+                self._content(_BLOCK_START + body + ("" if j < 0 else _BLOCK_END), u)
+            self.pending = "" if j < 0 else self.pending[j + len(_BLOCK_END):]
             self.in_call = False
             if j < 0:
                 return

@@ -130,13 +130,26 @@ def hermes_replies(draw):
                                                       "{\"name\": \"f\", \"arguments\": \"{}\"}"])),
     ), max_size=6))
     unterminated = draw(st.booleans())
+
+    def call(value, last: bool) -> tuple[str, dict]:
+        name, args, pad = value
+        close = "" if unterminated and last else "</tool_call>"
+        return (f"<tool_call>{pad}{json.dumps({'name': name, 'arguments': args})}{pad}{close}",
+                {"name": name, "arguments": json.dumps(args)})
+
+    return tagged_reply(parts, call)
+
+
+def tagged_reply(parts: list[tuple[str, object]], call) -> tuple[str, str, list[dict]]:
+    """hermes and qwen3_coder replies: ``(text, its content, its calls)`` of ``parts``, text, space,
+    blocks with no call (``"broken"``) and calls (``call(value, last)``: the call's text and the
+    call expected)."""
     text, calls, chunks = "", [], [""]  # chunks: the text before each call, and after the last
     for i, (kind, value) in enumerate(parts):
         if kind == "call":
-            name, args, pad = value
-            close = "" if unterminated and i == len(parts) - 1 else "</tool_call>"
-            text += f"<tool_call>{pad}{json.dumps({'name': name, 'arguments': args})}{pad}{close}"
-            calls.append({"name": name, "arguments": json.dumps(args)})
+            written, expected = call(value, i == len(parts) - 1)
+            text += written
+            calls.append(expected)
             chunks.append("")
         else:
             piece = value if kind in ("text", "space") else f"<tool_call>{value}</tool_call>"
@@ -333,21 +346,16 @@ def qwen3_coder_replies(draw):
         st.tuples(st.just("broken"), st.sampled_from(["", "{}", "<parameter=n>\n1\n</parameter>", "function=f>"])),
     ), max_size=5))
     cut = draw(st.booleans())
-    text, calls, chunks = "", [], [""]
-    for i, (kind, value) in enumerate(parts):
-        if kind == "call":
-            last = cut and i == len(parts) - 1
-            params = "".join(f"<parameter={k}>\n{xml_text(v)}\n</parameter>\n" for k, v in value)
-            text += "<tool_call>\n<function=edit>\n" + params + ("" if last else "</function>\n</tool_call>")
-            args = json.dumps(dict(value), ensure_ascii=False)
-            calls.append({"name": "edit", "arguments": args[:-1] if last else args})  # cut short: no closing brace
-            chunks.append("")
-        else:
-            piece = value if kind in ("text", "space") else f"<tool_call>{value}</tool_call>"
-            text += piece
-            chunks[-1] += piece
-    content = text if not calls else "".join(c.rstrip() for c in chunks)
-    return text, content, calls
+
+    def call(value, last: bool) -> tuple[str, dict]:
+        params = "".join(f"<parameter={k}>\n{xml_text(v)}\n</parameter>\n" for k, v in value)
+        args = json.dumps(dict(value), ensure_ascii=False)
+        if cut and last:  # cut short: no end tags, no closing brace
+            return "<tool_call>\n<function=edit>\n" + params, {"name": "edit", "arguments": args[:-1]}
+        return "<tool_call>\n<function=edit>\n" + params + "</function>\n</tool_call>", {"name": "edit",
+                                                                                        "arguments": args}
+
+    return tagged_reply(parts, call)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
