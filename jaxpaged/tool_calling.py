@@ -886,12 +886,10 @@ class ToolCallStream:
             if self.xml.name is not None:
                 self.block_call = self._stream_call(self.block_call, self.xml.name, self.xml.arguments, u)
 
-        def finish(body: str) -> bool:
-            if self.xml.name is not None and self.block_call is None:  # (a call whose name came at the block's end)
-                self._add_call(ToolCall(self.xml.name, self.xml.arguments), u)
+        def has_call(body: str) -> bool:  # (read sent the call as soon as its name came)
             return self.xml.name is not None
 
-        self._blocks(piece, u, begin, lambda: self.pending.find(_BLOCK_END), read, finish)
+        self._blocks(piece, u, begin, lambda: self.pending.find(_BLOCK_END), read, has_call)
 
     def _blocks(self, piece: str, u: Update, begin, end_at, read, finish) -> None:
         """hermes, qwen3_coder: text outside ``<tool_call>`` blocks is content (an opening tag that
