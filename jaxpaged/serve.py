@@ -149,6 +149,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
                        param="model", code="model_not_found")
 
+    def model_name(lora: LoRARequest | None) -> str:
+        """The name a response gives its model: the adapter's, or the base model's."""
+        return served_model_name if lora is None else lora.lora_name
+
     def checked_params(body: CompletionRequest | ChatCompletionRequest):
         """The request's SamplingParams, once its model and options are known to be servable."""
         check_model(body.model)
@@ -214,7 +218,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         params = checked_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         lora = check_model(body.model)
-        model = served_model_name if lora is None else lora.lora_name
+        model = model_name(lora)
         streams = await add(body.prompts(), params, rid, body, lora=lora)
         held = params.output_text_buffer_length
         events = completion_events(engine, rid, model, streams, body, held, decode) if body.stream else None
@@ -266,7 +270,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         ids = await chat_token_ids(body.conversation(), body.tools, body.template_options())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         lora = check_model(body.model)
-        model = served_model_name if lora is None else lora.lora_name
+        model = model_name(lora)
         streams = await add([{"prompt_token_ids": ids}], params, rid, body, lora=lora)
         held = params.output_text_buffer_length
         events = chat_events(engine, rid, model, streams[0], body, held, tool_calls, reasoning) if body.stream else None
@@ -276,7 +280,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request):
         lora = check_model(body.model)
-        model = served_model_name if lora is None else lora.lora_name
+        model = model_name(lora)
         previous = []
         if body.previous_response_id is not None:
             stored = responses_store.get(body.previous_response_id)
@@ -361,8 +365,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         except EngineOverloadedError as e:
             raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
         return await respond(raw, streams, None,
-                             lambda outs: embedding_response(rid, served_model_name if lora is None else lora.lora_name,
-                                                             outs, body.encoding_format))
+                             lambda outs: embedding_response(rid, model_name(lora), outs, body.encoding_format))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
