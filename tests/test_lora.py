@@ -188,6 +188,35 @@ def test_random_traffic_with_adapters_under_memory_pressure(lora_setup, data):
     assert stats["num_used_blocks"] == 0 and stats["num_host_blocks_used"] == 0, stats
 
 
+def test_beam_search_and_the_async_engine_take_the_adapter(lora_setup):
+    """``beam_search`` (against PEFT's beam search) and ``AsyncLLM.generate`` (against PEFT's
+    greedy tokens) run a request with its adapter, as ``generate`` does."""
+    import asyncio
+
+    from jaxpaged import BeamSearchParams
+    from jaxpaged.async_engine import AsyncLLM
+
+    lm, _, peft_models, requests = lora_setup
+    llm = LLM(lm, num_blocks=96, block_size=BS, enable_lora=True, max_loras=1, max_lora_rank=MAX_RANK)
+    a, prompt = requests["all8"], list(range(50, 61))
+    [out] = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=8,
+                                                                             ignore_eos=True), lora_request=a)
+    with torch.no_grad():
+        want = peft_models["all8"].generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                                            num_beams=2, do_sample=False, early_stopping=False,
+                                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert out.sequences[0].tokens == want[0].tolist()
+
+    async def stream():
+        engine = AsyncLLM(llm)
+        try:
+            return [o async for o in engine.generate({"prompt_token_ids": prompt}, GREEDY, lora_request=a)][-1]
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(stream()).outputs[0].token_ids == oracle(with_base(lora_setup), "all8", prompt, 8)
+
+
 def _copy_adapter(src, dst, **config):
     shutil.copytree(src, dst)
     conf = json.loads((dst / "adapter_config.json").read_text())
@@ -317,7 +346,8 @@ def test_serve_command_line_takes_vllms_lora_module_forms(capsys):
 
 
 def test_cli_runs_every_prompt_with_its_lora(capsys, tmp_path, tiny_engine_folder):
-    """``jaxpaged-generate --lora PATH`` on a model with a tokenizer: PEFT's greedy tokens."""
+    """``jaxpaged-generate --lora PATH`` on a model with a tokenizer: PEFT's greedy tokens; ``LLM.stream``
+    with the same adapter streams their text; ``LLM.chat`` with it gives PEFT's tokens for the chat prompt."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -331,5 +361,16 @@ def test_cli_runs_every_prompt_with_its_lora(capsys, tmp_path, tiny_engine_folde
     assert main(["--model", str(tiny_engine_folder), "--lora", str(tmp_path / "adapter"), "--json", "--max-tokens",
                  "6", "--ignore-eos", "--temperature", "0", "--no-progress", "Hello there"]) == 0
     got = json.loads(capsys.readouterr().out.splitlines()[0])["outputs"][0]["token_ids"]
-    ids = AutoTokenizer.from_pretrained(tiny_engine_folder)("Hello there")["input_ids"]
+    tok = AutoTokenizer.from_pretrained(tiny_engine_folder)
+    ids = tok("Hello there")["input_ids"]
     assert got == oracle({"cli": pm}, "cli", ids, 6)
+    # LLM.stream with the adapter: its text is that of the same tokens.
+    llm = LLM(str(tiny_engine_folder), enable_lora=True, max_lora_rank=4)
+    lora = LoRARequest("cli", 1, str(tmp_path / "adapter"))
+    text = "".join(llm.stream("Hello there", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              lora_request=lora))
+    assert text == tok.decode(got, skip_special_tokens=True)
+    conversation = [{"role": "user", "content": "Hello there"}]
+    [reply] = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora_request=lora,
+                       use_tqdm=False)
+    assert reply.outputs[0].token_ids == oracle({"cli": pm}, "cli", llm.apply_chat_template(conversation), 6)
