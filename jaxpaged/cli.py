@@ -49,8 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--block-size", type=int, help="tokens per KV block (default: 64 on CPU, 16 on GPU/TPU)")
     e.add_argument("--num-blocks", type=int)
     e.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2GiB")
-    e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="KV pool dtype (auto: the model's; float32 for a 16-bit model on CPU)")
+    e.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV pool dtype (auto: the model's; float32 for a 16-bit model on CPU); fp8 (= fp8_e4m3) "
+                        "holds 4x float32's tokens, K/V rounded to it")
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)

@@ -104,10 +104,13 @@ class LLM:
         one (vLLM's ``async_scheduling``): the host's work hides behind the device's, and
         the tokens are the synchronous loop's (:mod:`jaxpaged.engine_core`). False runs
         one step at a time.
-      kv_cache_dtype: the KV pool's dtype, ``"auto"``, ``"float32"``, ``"bfloat16"`` or
-        ``"float16"``. ``"auto"``: the model's dtype, but float32 for a 16-bit model on CPU,
-        whose scatter into a 16-bit pool rewrites the whole pool on every write (the same
-        tokens; see :func:`~jaxpaged.kv_cache.resolve_kv_cache_dtype`).
+      kv_cache_dtype: the KV pool's dtype, ``"auto"``, ``"float32"``, ``"bfloat16"``,
+        ``"float16"``, or float8 (vLLM's ``"fp8"`` = ``"fp8_e4m3"``, ``"fp8_e5m2"``).
+        ``"auto"``: the model's dtype, but float32 for a 16-bit model on CPU, whose scatter
+        into a 16-bit pool rewrites the whole pool on every write (the same tokens). float8
+        holds 4x a float32 pool's tokens in the same memory (2x bfloat16's); K and V are
+        rounded to it (scale 1) and the tokens may differ (see
+        :func:`~jaxpaged.kv_cache.resolve_kv_cache_dtype`).
       speculative_config: speculative decoding, vLLM's form: ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
         (or a :class:`~jaxpaged.spec_decode.SpeculativeConfig`). A decoding sequence proposes
@@ -174,7 +177,7 @@ class LLM:
                             tensor_parallel_size=tensor_parallel_size)
             lm = dataclasses.replace(lm, model=runtime_form(lm.model))  # the loaded stack is let go
         if block_size is None:
-            block_size = default_block_size(lm.model.platform, attention_backend)
+            block_size = default_block_size(lm.model.platform, attention_backend, args.kv_cache_dtype)
             args = dataclasses.replace(args, block_size=block_size)
         self.args, self.loaded, self.config, self.tokenizer = args, lm, lm.config, lm.tokenizer
         self.default_sampling_overrides = overrides

@@ -123,7 +123,7 @@ class EngineArgs:
         return num_blocks
 
 
-def default_block_size(platform: str, attention_backend: str = "auto") -> int:
+def default_block_size(platform: str, attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> int:
     """Tokens per KV block where ``block_size`` is not given: 64 on CPU where attention runs
     in XLA ops, 16 elsewhere (the Pallas kernels on GPU and TPU, as in vLLM). ``platform``
     is a device's (``"cpu"``, ``"gpu"``, ``"tpu"``).
@@ -139,8 +139,12 @@ def default_block_size(platform: str, attention_backend: str = "auto") -> int:
     kernels run). The costs: a block of 64 wastes up to 63 slots per sequence (that workload
     peaks at 87% KV utilization), and prefix caching shares whole blocks only, so a shared
     prefix shorter than 64 tokens gets no hit (``LLM(block_size=16)`` where that matters).
+    A float8 pool on TPU takes 32: a page of bytes must fill whole 32-row VMEM tiles
+    (``pallas.tpu_common.check_tpu_shapes``).
     """
-    return 64 if platform == "cpu" and resolve_backend(attention_backend, "cpu") == "xla" else 16
+    if platform == "cpu" and resolve_backend(attention_backend, "cpu") == "xla":
+        return 64
+    return 32 if platform == "tpu" and kv_cache_dtype.startswith("fp8") else 16
 
 
 def _default_kv_bytes(block_bytes: int, block_size: int | None, attention_backend: str, max_num_seqs: int,

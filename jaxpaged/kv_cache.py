@@ -37,8 +37,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.padding import NULL_BLOCK
+from jaxpaged.pallas.common import FP8_STORAGE, to_kv
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's names: "fp8" is e4m3 (3 mantissa bits, range +-448), e5m2 trades a bit for range (+-57344).
+_FP8 = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 
 def check_kv_cache_dtype(requested: str) -> None:
@@ -50,6 +53,12 @@ def resolve_kv_cache_dtype(requested: str, model_dtype, platform: str):
     """The pool's dtype: ``requested`` (one of :data:`KV_CACHE_DTYPES`), where ``"auto"`` is
     the model's dtype, except that a 16-bit float model on ``"cpu"`` keeps float32 K/V.
 
+    A float8 cache (``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``) is an 8-bit integer pool
+    holding the float8 values' bytes (``pallas.common.FP8_STORAGE``): a quarter of a
+    float32 pool's bytes, half a bfloat16 one's. K and V are rounded to float8 when written
+    (scale 1, values past the range saturate); attention reads them back in the queries'
+    dtype.
+
     XLA:CPU upcasts a scatter into a 16-bit float array, operand and all: each layer's K/V
     write into a bfloat16 pool converted the whole pool to float32 and back (a 1 GiB pool:
     0.8 s a write; a float32 pool: 20 us). On CPU a 16-bit model's activations, K and V
@@ -58,6 +67,8 @@ def resolve_kv_cache_dtype(requested: str, model_dtype, platform: str):
     per byte.
     """
     check_kv_cache_dtype(requested)
+    if requested in _FP8:
+        return FP8_STORAGE[jnp.dtype(_FP8[requested])]
     if requested != "auto":
         return jnp.dtype(requested)
     dtype = jnp.dtype(model_dtype)
@@ -128,8 +139,8 @@ def write_kv(kv: KVPool, layer: Int[Array, ""], k: Float[Array, "T KVH D"], v: F
     bs = kv.block_size
     blk, off = slot_mapping // bs, slot_mapping % bs
     return KVPool(
-        kv.k.at[layer, blk, :, off, :].set(k.astype(kv.k.dtype), mode="clip"),
-        kv.v.at[layer, blk, :, off, :].set(v.astype(kv.v.dtype), mode="clip"),
+        kv.k.at[layer, blk, :, off, :].set(to_kv(k, kv.k.dtype), mode="clip"),
+        kv.v.at[layer, blk, :, off, :].set(to_kv(v, kv.v.dtype), mode="clip"),
     )
 
 

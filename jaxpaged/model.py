@@ -31,7 +31,7 @@ from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backend
 from jaxpaged.config import LinearRopeScaling, LlamaConfig, YarnRopeScaling
 from jaxpaged.kv_cache import KVPool, write_kv
-from jaxpaged.pallas.common import dot_precision
+from jaxpaged.pallas.common import dot_precision, is_fp8_storage
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
 
 
@@ -533,9 +533,11 @@ class Llama(nnx.Module):
         def attention(kv, q, k, v, layer):
             q = apply_rope(q, md.positions, inv_freq, rope_scale)
             k = apply_rope(k, md.positions, inv_freq, rope_scale)
-            # In the pool's dtype (float32 K/V under a bfloat16 model on CPU: kv_cache.resolve_kv_cache_dtype).
+            # In the pool's dtype (float32 K/V under a bfloat16 model on CPU: kv_cache.resolve_kv_cache_dtype);
+            # a float8 pool's K/V are rounded as they are written, the queries stay in the model's dtype.
             dtype = q.dtype
-            q, k, v = (t.astype(kv.k.dtype) for t in (q, k, v))
+            if not is_fp8_storage(kv.k.dtype):
+                q, k, v = (t.astype(kv.k.dtype) for t in (q, k, v))
             if mesh is None:
                 kv = write_kv(kv, layer, k, v, md.slot_mapping)
                 o = paged_attention(q, kv, layer, md, scale=scale, backend=backend)

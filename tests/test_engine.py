@@ -639,7 +639,7 @@ def test_logit_bias_outside_vocab_rejected(tiny_engine_model):
     (dict(max_num_seqs=0), ValueError, "max_num_seqs=0"),
     (dict(max_model_len=4096), ValueError, "exceeds the model's max_position_embeddings=512"),
     (dict(attention_backend="cuda"), ValueError, "unknown attention backend 'cuda'"),
-    (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype='fp8'"),
+    (dict(kv_cache_dtype="fp4"), ValueError, "kv_cache_dtype='fp4'"),
     (dict(seed=-1), ValueError, "seed=-1 must be >= 0"),
     (dict(seed="x"), TypeError, "seed must be an int, got 'x'"),
     (dict(enable_prefix_caching="no"), TypeError, "enable_prefix_caching must be a bool, got 'no'"),

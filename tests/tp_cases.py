@@ -189,6 +189,13 @@ def test_swap_preemption_keeps_the_pool_sharded(tiny, engines):
     assert llm.runner.kv.k.sharding == sharding.pool_sharding(llm.runner.mesh)
 
 
+def test_float8_pool_on_two_devices_gives_one_devices_tokens(tiny):
+    """A float8 pool, split by KV head: each device rounds and reads its own heads' bytes."""
+    one, two = (LLM(tiny, tensor_parallel_size=tp, kv_cache_dtype="fp8", **ENGINE) for tp in (1, 2))
+    assert_same_outputs(two.generate(PROMPTS, GREEDY, use_tqdm=False), one.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert two.runner.kv.k.dtype == np.uint8 and two.runner.kv.k.sharding == sharding.pool_sharding(two.runner.mesh)
+
+
 def test_drafts_on_two_devices_give_the_same_tokens(tiny, engines):
     """Speculative decoding on a sharded model: the verification steps' rows (the last token's
     and each draft's) give the tokens and logprobs one device gives without drafts."""

@@ -63,8 +63,8 @@ def _decode_kernel(
     def body(c, carry):
         o, m, l = carry
         ids = bt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
-        k = k_ref[ids, h].reshape(chunk, head_dim)
-        v = v_ref[ids, h].reshape(chunk, head_dim)
+        k = common.from_kv(k_ref[ids, h].reshape(chunk, head_dim), q.dtype)
+        v = common.from_kv(v_ref[ids, h].reshape(chunk, head_dim), q.dtype)
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=common.dot_precision(k.dtype),
                                  preferred_element_type=jnp.float32) * scale  # [block_h, chunk]
         key_pos = (first_page + c * pages_per_chunk) * block_size + lax.broadcasted_iota(

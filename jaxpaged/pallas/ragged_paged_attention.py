@@ -110,8 +110,8 @@ def _attend_block(q, seq, nq, pos0, h, bt_ref, k_ref, v_ref, *, scale: float, bl
     def body(c, carry):
         o, m, l = carry
         ids = bt_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
-        k = k_ref[ids, h].reshape(chunk, head_dim)
-        v = v_ref[ids, h].reshape(chunk, head_dim)
+        k = common.from_kv(k_ref[ids, h].reshape(chunk, head_dim), q.dtype)
+        v = common.from_kv(v_ref[ids, h].reshape(chunk, head_dim), q.dtype)
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=common.dot_precision(k.dtype),
                                  preferred_element_type=jnp.float32) * scale  # [M, chunk]
         key_pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)

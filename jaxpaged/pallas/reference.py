@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxpaged.pallas.common import from_kv
+
 # The oracle computes in float32 on every platform (XLA's default on GPU is TF32 products).
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -49,8 +51,8 @@ def ref_ragged_paged_attention(
     blocks = block_tables[seq]  # [T, W]
     k = k_pool[layer, blocks]  # [T, W, KVH, BS, D]; one gather, no copy of the layer
     v = v_pool[layer, blocks]
-    k = k.transpose(0, 2, 1, 3, 4).reshape(T, KVH, W * BS, D).astype(jnp.float32)
-    v = v.transpose(0, 2, 1, 3, 4).reshape(T, KVH, W * BS, D).astype(jnp.float32)
+    k = from_kv(k.transpose(0, 2, 1, 3, 4).reshape(T, KVH, W * BS, D), jnp.float32)
+    v = from_kv(v.transpose(0, 2, 1, 3, 4).reshape(T, KVH, W * BS, D), jnp.float32)
     qg = q.reshape(T, KVH, G, D).astype(jnp.float32)
     s = jnp.einsum("tkgd,tknd->tkgn", qg, k, precision=_HIGHEST) * scale
     j = jnp.arange(W * BS)  # key position in the sequence

@@ -99,7 +99,7 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def sublane_rows(dtype) -> int:
-    """Rows per vreg tile: 8 for 32-bit, 16 for bf16 (two rows packed per sublane)."""
+    """Rows per vreg tile: 8 for 32-bit, 16 for bf16 (two rows packed per sublane), 32 for 8-bit."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
@@ -112,10 +112,11 @@ def default_pages_per_block(block_size: int, num_kv_heads: int, head_dim: int, d
     return max(1, min(ppb, max_pages))
 
 
-def check_tpu_shapes(block_size: int, what: str) -> None:
-    if block_size % 8:
-        raise ValueError(f"{what}: block_size={block_size} must be a multiple of 8 on TPU (a page must "
-                         f"start on a sublane tile of its VMEM slot)")
+def check_tpu_shapes(block_size: int, dtype, what: str) -> None:
+    rows = sublane_rows(dtype) if jnp.dtype(dtype).itemsize == 1 else 8  # a byte's tile: 32 rows
+    if block_size % rows:
+        raise ValueError(f"{what}: block_size={block_size} must be a multiple of {rows} on TPU for a "
+                         f"{jnp.dtype(dtype).name} pool (a page must start on a sublane tile of its VMEM slot)")
 
 
 def kv_scratch(num_kv_heads, rows, head_dim, keys, dtype):
@@ -155,7 +156,7 @@ def _attend_block(q_ref, kbuf, vbuf, acc_ref, m_ref, l_ref, *, slot, key0, row_p
     in_ctx = key0 + lax.broadcasted_iota(jnp.int32, (keys, 1), 0) < kv_len  # [keys, 1]
     for h in range(num_kv_heads):
         q = q_ref[h]  # [rows, D]
-        k = kbuf[slot, h]  # [keys, D]
+        k = common.from_kv(kbuf[slot, h], q.dtype)  # [keys, D]
         prec = common.dot_precision(k.dtype)  # float32: fp32 contraction, not bf16 passes
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale  # [rows, keys]
@@ -168,7 +169,7 @@ def _attend_block(q_ref, kbuf, vbuf, acc_ref, m_ref, l_ref, *, slot, key0, row_p
         m_ref[h] = m_next
         # Stale slots may hold NaN and 0 * NaN = NaN: zero them. The select runs in float32
         # (chips before v6 have no bf16 VPU).
-        v = jnp.where(in_ctx, vbuf[slot, h].astype(jnp.float32), 0.0).astype(k.dtype)
+        v = jnp.where(in_ctx, common.from_kv(vbuf[slot, h], jnp.float32), 0.0).astype(k.dtype)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)  # [rows, D]
         acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv

@@ -113,7 +113,7 @@ def _tpu_paged_decode_attention(q, k_pool, v_pool, layer, block_tables, context_
     S, Hq, D = q.shape
     L, NB, KVH, BS, _ = k_pool.shape
     W = block_tables.shape[1]
-    check_tpu_shapes(BS, what)
+    check_tpu_shapes(BS, k_pool.dtype, what)
     splits = auto_num_splits(W * BS, S) if num_splits is None else num_splits
     if splits < 1:
         raise ValueError(f"{what}: num_splits={splits} must be >= 1")

@@ -120,7 +120,7 @@ def _tpu_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, context_
     L, NB, KVH, BS, _ = k_pool.shape
     W = block_tables.shape[1]
     G = Hq // KVH
-    check_tpu_shapes(BS, what)
+    check_tpu_shapes(BS, k_pool.dtype, what)
     bq = default_block_q(G, T) if block_q is None else block_q
     if bq < 1 or (bq * G) % 8:
         raise ValueError(f"{what}: block_q={bq} times the group of {G} query heads must be a "
