@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxpaged.padding import NULL_BLOCK
-from jaxpaged.pallas.common import FP8_STORAGE, to_kv
+from jaxpaged.pallas.common import BITS_STORAGE, to_kv
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # vLLM's names: "fp8" is e4m3 (3 mantissa bits, range +-448), e5m2 trades a bit for range (+-57344).
@@ -54,21 +54,23 @@ def resolve_kv_cache_dtype(requested: str, model_dtype, platform: str):
     the model's dtype, except that a 16-bit float model on ``"cpu"`` keeps float32 K/V.
 
     A float8 cache (``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``) is an 8-bit integer pool
-    holding the float8 values' bytes (``pallas.common.FP8_STORAGE``): a quarter of a
+    holding the float8 values' bytes (``pallas.common.BITS_STORAGE``): a quarter of a
     float32 pool's bytes, half a bfloat16 one's. K and V are rounded to float8 when written
     (scale 1, values past the range saturate); attention reads them back in the queries'
-    dtype.
+    dtype. On CPU a 16-bit pool holds its values' bits too (``uint16`` for bfloat16,
+    ``int16`` for float16): XLA:CPU upcasts a scatter into a 16-bit float array, operand
+    and all (a K/V write into a 1 GiB bfloat16 pool: 0.8 s; into a float32 one: 20 us).
 
-    XLA:CPU upcasts a scatter into a 16-bit float array, operand and all: each layer's K/V
-    write into a bfloat16 pool converted the whole pool to float32 and back (a 1 GiB pool:
-    0.8 s a write; a float32 pool: 20 us). On CPU a 16-bit model's activations, K and V
-    included, are float32 anyway (``model._cpu_dot_16bit``), and the XLA attention path
-    computes in float32 whatever the pool holds; a float32 pool holds half as many tokens
-    per byte.
+    On CPU a 16-bit model's activations, K and V included, are float32 (``model._cpu_dot_16bit``),
+    and the XLA attention path computes in float32 whatever the pool holds, so ``"auto"``
+    keeps them exact there; ``"bfloat16"`` rounds them as an accelerator's pool does, in
+    half the bytes.
     """
     check_kv_cache_dtype(requested)
     if requested in _FP8:
-        return FP8_STORAGE[jnp.dtype(_FP8[requested])]
+        return BITS_STORAGE[jnp.dtype(_FP8[requested])]
+    if platform == "cpu" and requested in ("bfloat16", "float16"):
+        return BITS_STORAGE[jnp.dtype(requested)]
     if requested != "auto":
         return jnp.dtype(requested)
     dtype = jnp.dtype(model_dtype)

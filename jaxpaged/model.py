@@ -31,7 +31,7 @@ from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backend
 from jaxpaged.config import LinearRopeScaling, LlamaConfig, YarnRopeScaling
 from jaxpaged.kv_cache import KVPool, write_kv
-from jaxpaged.pallas.common import dot_precision, is_fp8_storage
+from jaxpaged.pallas.common import dot_precision, is_fp8_storage, kv_value_dtype
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
 
 
@@ -537,7 +537,7 @@ class Llama(nnx.Module):
             # a float8 pool's K/V are rounded as they are written, the queries stay in the model's dtype.
             dtype = q.dtype
             if not is_fp8_storage(kv.k.dtype):
-                q, k, v = (t.astype(kv.k.dtype) for t in (q, k, v))
+                q, k, v = (t.astype(kv_value_dtype(kv.k.dtype)) for t in (q, k, v))
             if mesh is None:
                 kv = write_kv(kv, layer, k, v, md.slot_mapping)
                 o = paged_attention(q, kv, layer, md, scale=scale, backend=backend)

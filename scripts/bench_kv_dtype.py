@@ -1,6 +1,6 @@
 """What a float8 KV cache holds, costs and changes, side by side, on the default model (float32 weights).
 
-For each ``kv_cache_dtype`` (float32, fp8 = fp8_e4m3, fp8_e5m2) at the same ``--kv-cache-memory``:
+For each ``kv_cache_dtype`` (float32, bfloat16, fp8 = fp8_e4m3, fp8_e5m2) at the same ``--kv-cache-memory``:
 
 - **capacity**: the tokens the pool holds;
 - **accuracy**: English prompts and the float32 cache's greedy continuations, scored by each
@@ -27,7 +27,7 @@ from bench_common import table
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.loader import load_model
 
-DTYPES = ("float32", "fp8", "fp8_e5m2")
+DTYPES = ("float32", "bfloat16", "fp8", "fp8_e5m2")
 TEXTS = [
     "The history of the printing press begins in",
     "To make a good cup of tea, first",

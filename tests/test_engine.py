@@ -687,11 +687,11 @@ def test_bad_chat_messages(tiny_engine_model, messages, exc, match):
 
 
 def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_activations(tiny_engine_folder):
-    """``kv_cache_dtype="auto"``: a 16-bit model on CPU gets a float32 pool (a scatter into a
-    bfloat16 one rewrites the whole pool: ``kv_cache.resolve_kv_cache_dtype``), sized in
-    float32 bytes. Its activations stay float32 (only the matmuls' inputs are rounded, see
+    """``kv_cache_dtype="auto"``: a 16-bit model on CPU gets a float32 pool, sized in float32
+    bytes. Its activations stay float32 (only the matmuls' inputs are rounded, see
     ``model._cpu_dot_16bit``), so the pool holds K/V that a bfloat16 pool would round; asked
-    for, a bfloat16 pool decodes too."""
+    for, a bfloat16 pool (its values' bits in uint16: ``kv_cache.resolve_kv_cache_dtype``)
+    decodes too."""
     import jax.numpy as jnp
 
     prompts = PROMPTS[:3]
@@ -699,7 +699,7 @@ def test_a_bfloat16_model_on_cpu_keeps_float32_kv_and_activations(tiny_engine_fo
     auto = LLM(tiny_engine_folder, dtype="bfloat16", kv_cache_memory="4MiB", enable_prefix_caching=False)
     bf16 = LLM(auto.loaded, kv_cache_memory="4MiB", kv_cache_dtype="bfloat16", enable_prefix_caching=False)
     assert auto.loaded.model.dtype == jnp.bfloat16
-    assert (auto.runner.kv.k.dtype, bf16.runner.kv.k.dtype) == (jnp.float32, jnp.bfloat16)
+    assert (auto.runner.kv.k.dtype, bf16.runner.kv.k.dtype) == (jnp.float32, jnp.uint16)  # bfloat16's bits
     assert auto.bm.num_usable_blocks + 1 == (bf16.bm.num_usable_blocks + 1) // 2  # the null block aside
     for llm in (auto, bf16):
         assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == [12] * 3

@@ -1,4 +1,5 @@
-"""float8 KV caches (``kv_cache_dtype="fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``).
+"""float8 KV caches (``kv_cache_dtype="fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``), and 16-bit ones
+held as bits on CPU.
 
 The pool holds each value's float8 bytes (``pallas.common.FP8_STORAGE``). The oracle here is
 independent of jaxpaged's conversions: ``ml_dtypes`` rounds the float32 values to float8 in
@@ -25,7 +26,7 @@ from jaxpaged.pallas.tpu_ragged_paged_attention import tpu_ragged_paged_attentio
 from jaxpaged.pallas.xla import xla_paged_decode_attention, xla_ragged_paged_attention
 import test_kernels
 import test_tpu_kernels
-from test_kernels import _lower_for_cuda, ref_decode, ref_ragged
+from test_kernels import KVH, _lower_for_cuda, ref_decode, ref_ragged
 
 FORMATS = {"fp8_e4m3": (ml_dtypes.float8_e4m3fn, np.uint8), "fp8_e5m2": (ml_dtypes.float8_e5m2, np.int8)}
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
@@ -156,6 +157,28 @@ def test_a_bad_query_dtype_is_named():
     (q, *rest), _ = decode_inputs("fp8_e4m3", jnp.float32, False)
     with pytest.raises(ValueError, match="q dtype int32: a float8 pool"):
         xla_paged_decode_attention(q.astype(jnp.int32), *rest, scale=0.1)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_pool_on_cpu_holds_bits_and_reads_as_the_native_one(dtype):
+    """On CPU a 16-bit pool holds its values' bits (XLA:CPU rewrites a whole 16-bit float array
+    for each scatter into it): its writes and the XLA path's outputs are bit for bit the
+    native pool's."""
+    storage = resolve_kv_cache_dtype(dtype, jnp.float32, "cpu")
+    assert storage == {"bfloat16": jnp.uint16, "float16": jnp.int16}[dtype]
+    assert resolve_kv_cache_dtype(dtype, jnp.float32, "gpu") == jnp.dtype(dtype)
+    (q, k, v, *rest), _ = decode_inputs("fp8_e4m3", jnp.float32, False)
+    native = [jnp.asarray(decode(np.asarray(x), "fp8_e4m3"), dtype) for x in (k, v)]
+    bits = [jax.lax.bitcast_convert_type(x, storage) for x in native]
+    q = q.astype(dtype)
+    np.testing.assert_array_equal(np.asarray(xla_paged_decode_attention(q, *bits, *rest, scale=0.125)),
+                                  np.asarray(xla_paged_decode_attention(q, *native, *rest, scale=0.125)))
+    rng = np.random.default_rng(4)
+    new = jnp.asarray(rng.standard_normal((3, KVH, 64)), jnp.float32)
+    slots = jnp.asarray([5, 40, 77], jnp.int32)
+    a = write_kv(KVPool(*bits), jnp.int32(1), new, new, slots)
+    b = write_kv(KVPool(*native), jnp.int32(1), new, new, slots)
+    np.testing.assert_array_equal(np.asarray(a.k), np.asarray(jax.lax.bitcast_convert_type(b.k, storage)))
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

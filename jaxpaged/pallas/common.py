@@ -39,40 +39,46 @@ def dot_precision(dtype) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-# float8 K/V are stored as their raw bytes, an 8-bit integer array per pool: XLA:CPU upcasts a
-# scatter into a float8 array to float32, operand and all (a K/V write into a 184 MB pool took
-# 180 ms instead of 20 us), while integer scatters run in place everywhere. The integer type
-# names the float8 format; kernels reinterpret the bytes after loading a tile (free) and
-# convert the values to the queries' dtype. Scales are 1 (vLLM's default for a checkpoint
-# without calibrated ``k_scale``/``v_scale``): values past the format's range saturate.
-FP8_STORAGE = {jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e5m2): jnp.dtype(jnp.int8)}
-_FP8_VALUES = {storage: fp8 for fp8, storage in FP8_STORAGE.items()}
-
-
-def is_fp8_storage(dtype) -> bool:
-    """Whether a pool of ``dtype`` holds float8 K/V as bytes (see ``FP8_STORAGE``)."""
-    return jnp.dtype(dtype) in _FP8_VALUES
+# A pool may hold a float format as its raw bits, in the integer type of the same width that
+# names the format. float8 K/V always are (as bytes), 16-bit ones on CPU: XLA:CPU upcasts a
+# scatter into a float8 or 16-bit float array to float32, operand and all (one K/V write into
+# a 184 MB float8 pool took 180 ms, into a 1 GiB bfloat16 one 0.8 s, instead of ~20 us), while
+# integer scatters run in place everywhere. Kernels reinterpret the bits after loading a tile
+# (free) and convert the values to the queries' dtype. float8 scales are 1 (vLLM's default for
+# a checkpoint without calibrated ``k_scale``/``v_scale``): values past the range saturate.
+BITS_STORAGE = {jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e5m2): jnp.dtype(jnp.int8),
+                jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), jnp.dtype(jnp.float16): jnp.dtype(jnp.int16)}
+_BITS_VALUES = {storage: value for value, storage in BITS_STORAGE.items()}
 
 
 def kv_value_dtype(dtype) -> jnp.dtype:
     """The dtype of the values a pool of (storage) ``dtype`` holds."""
-    return _FP8_VALUES.get(jnp.dtype(dtype), jnp.dtype(dtype))
+    return _BITS_VALUES.get(jnp.dtype(dtype), jnp.dtype(dtype))
+
+
+def is_fp8_storage(dtype) -> bool:
+    """Whether a pool of ``dtype`` holds float8 K/V (as bytes, see ``BITS_STORAGE``)."""
+    return kv_value_dtype(dtype).itemsize == 1
 
 
 def to_kv(x, dtype):
-    """``x`` as stored in a pool of ``dtype``: a float8 pool's values clipped to the format's
-    finite range (a cast past it gives NaN in e4m3fn, inf in e5m2) and kept as bytes."""
-    if not is_fp8_storage(dtype):
+    """``x`` as stored in a pool of ``dtype``: rounded to its values' dtype, a float8 pool's
+    clipped to the format's finite range first (a cast past it gives NaN in e4m3fn, inf in
+    e5m2), and kept as bits where the pool holds bits."""
+    value = kv_value_dtype(dtype)
+    if value == jnp.dtype(dtype):
         return x.astype(dtype)
-    fp8 = _FP8_VALUES[jnp.dtype(dtype)]
-    big = float(jnp.finfo(fp8).max)
-    return jax.lax.bitcast_convert_type(jnp.clip(x, -big, big).astype(fp8), dtype)
+    if value.itemsize == 1:
+        big = float(jnp.finfo(value).max)
+        x = jnp.clip(x, -big, big)
+    return jax.lax.bitcast_convert_type(x.astype(value), dtype)
 
 
 def from_kv(x, dtype):
-    """A tile read out of a pool, as ``dtype`` values (a float8 pool's bytes decoded)."""
-    if is_fp8_storage(x.dtype):
-        x = jax.lax.bitcast_convert_type(x, _FP8_VALUES[jnp.dtype(x.dtype)])
+    """A tile read out of a pool, as ``dtype`` values (a pool of bits decoded)."""
+    value = kv_value_dtype(x.dtype)
+    if value != x.dtype:
+        x = jax.lax.bitcast_convert_type(x, value)
     return x.astype(dtype)
 
 
@@ -113,7 +119,7 @@ def check_paged_inputs(q, k_pool, v_pool, block_tables, context_lens, query_star
         if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype.itemsize < 2:
             raise ValueError(f"{what}: q dtype {q.dtype}: a float8 pool ({kv_value_dtype(k_pool.dtype)} "
                              f"stored as {k_pool.dtype}) takes float32, bfloat16 or float16 queries")
-    elif q.dtype != k_pool.dtype:
+    elif q.dtype != kv_value_dtype(k_pool.dtype):
         raise ValueError(f"{what}: q dtype {q.dtype} != pool dtype {k_pool.dtype}; cast q (or build "
                          f"the pool) in one dtype")
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
