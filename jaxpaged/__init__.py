@@ -32,7 +32,8 @@ _EXPORTS = {
     "BeamSearchSequence": "jaxpaged.outputs",
     "StructuredOutputsParams": "jaxpaged.structured_output", "SpeculativeConfig": "jaxpaged.spec_decode",
     "PoolingParams": "jaxpaged.pooling", "EmbeddingRequestOutput": "jaxpaged.outputs",
-    "EmbeddingOutput": "jaxpaged.outputs", "LoRARequest": "jaxpaged.lora",
+    "EmbeddingOutput": "jaxpaged.outputs", "ScoringRequestOutput": "jaxpaged.outputs",
+    "ScoringOutput": "jaxpaged.outputs", "LoRARequest": "jaxpaged.lora",
 }
 
 
@@ -50,6 +51,6 @@ __all__ = [
     "LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
     "RequestMetrics", "load_model", "LoadedModel", "CheckpointError", "SpeculativeConfig", "BeamSearchParams",
     "BeamSearchOutput", "BeamSearchSequence", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput",
-    "LoRARequest",
+    "ScoringRequestOutput", "ScoringOutput", "LoRARequest",
 ]
 __version__ = "0.1.0"

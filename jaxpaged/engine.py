@@ -37,8 +37,9 @@ from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.lora import LoRAConfig, LoRAManager, LoRARequest
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
-from jaxpaged.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
-from jaxpaged.pooling import PoolingParams
+from jaxpaged.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
+from jaxpaged.pooling import PoolingParams, cosine, score_pairs
 from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
 from jaxpaged.runner import ModelRunner
 from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -340,6 +341,23 @@ class LLM:
         reqs = [self.inputs.process(p, None, None, self._live(), pooling=params, lora_request=lora)
                 for (p, _), lora in zip(pairs, per_prompt_lora(lora_request, len(pairs)))]
         return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="embed")
+
+    def score(self, data_1: PromptType | Seq[PromptType], data_2: PromptType | Seq[PromptType], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Score pairs of texts (vLLM's ``LLM.score`` for an embedding model): the cosine
+        similarity of the two texts' embeddings (:meth:`embed`). ``data_1`` is one text, scored
+        against each text of ``data_2``, or as many texts as ``data_2``, scored pairwise. Every
+        text is embedded once, all in one batch; the outputs follow ``data_2``."""
+        first, second = ([p for p, _ in pair_prompts(d, None)] for d in (data_1, data_2))
+        pairs = score_pairs(len(first), len(second))
+        embs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                          lora_request=lora_request)
+        a, b = embs[:len(first)], embs[len(first):]
+        return [ScoringRequestOutput(f"{a[i].request_id}_{b[j].request_id}",
+                                     ScoringOutput(cosine(a[i].outputs.embedding, b[j].outputs.embedding)),
+                                     a[i].prompt_token_ids + b[j].prompt_token_ids, finished=True)
+                for i, j in pairs]
 
     def _run_to_completion(self, reqs: list[Request], *, use_tqdm: bool, desc: str) -> list:
         """Queue validated requests, step until all have finished, and return their outputs in order;

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpaged.generation_config import for_request
 from jaxpaged.outputs import CompletionOutput, EmbeddingRequestOutput, PositionLogprobs, RequestOutput
-from jaxpaged.pooling import PoolingParams
+from jaxpaged.pooling import PoolingParams, cosine, score_pairs
 from jaxpaged.reasoning import ReasoningParser, ReasoningStream
 from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxpaged.structured_output import StructuredOutputsParams, as_structured_outputs
@@ -470,11 +470,12 @@ class EmbeddingRequest(BaseModel):
                              truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
-def embedding_invalid(e: Exception) -> APIError:
-    """A 400 for an embedding request the engine refused, ``param`` the field it names."""
+def embedding_invalid(e: Exception, prompt_param: str | None = "input") -> APIError:
+    """A 400 for an embedding request the engine refused, ``param`` the field it names (a
+    prompt's: ``prompt_param``)."""
     message = str(e)
     first = message.split(" ", 1)[0]
-    param = {"prompt": "input", "dimensions": "dimensions", "truncate_prompt_tokens": "truncate_prompt_tokens"}
+    param = {"prompt": prompt_param, "dimensions": "dimensions", "truncate_prompt_tokens": "truncate_prompt_tokens"}
     return APIError(400, message, param=param.get(first), code="invalid_value")
 
 
@@ -491,6 +492,87 @@ def embedding_response(rid: str, model: str, outs: list[EmbeddingRequestOutput],
             "data": [{"object": "embedding", "index": i, "embedding": encoded(o.outputs.embedding)}
                      for i, o in enumerate(outs)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _texts(value: str | list[str], param: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else list(value)
+    if not texts or any(not t for t in texts):
+        raise APIError(400, f"{param} is empty (give text, none of it empty)", param=param, code="invalid_value")
+    return texts
+
+
+class ScoreRequest(BaseModel):
+    """``POST /v1/score`` (vLLM's, for an embedding model): the cosine similarity of the
+    embeddings of ``text_1`` (one text for every ``text_2`` text, or one each) and ``text_2``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+    def texts(self) -> tuple[list[str], list[str], list[tuple[int, int]]]:
+        """The first texts, the second ones, and the (first, second) pairs to score."""
+        first, second = _texts(self.text_1, "text_1"), _texts(self.text_2, "text_2")
+        try:
+            return first, second, score_pairs(len(first), len(second))
+        except ValueError as e:
+            raise APIError(400, str(e).replace("data_1", "text_1").replace("data_2", "text_2"), param="text_1",
+                           code="invalid_value") from None
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+class RerankRequest(BaseModel):
+    """``POST /v1/rerank`` (vLLM's, Jina's and Cohere's API, for an embedding model): the
+    ``documents`` by the cosine similarity of their embeddings to the ``query``'s, highest
+    first; ``top_n`` > 0 keeps that many."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = 0
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+    def texts(self) -> list[str]:
+        """The query, then the documents."""
+        if self.top_n < 0:
+            raise APIError(400, f"top_n must be >= 0 (0: every document), got {self.top_n}", param="top_n",
+                           code="invalid_value")
+        return _texts(self.query, "query") + _texts(self.documents, "documents")
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+def score_response(rid: str, model: str, outs: list[EmbeddingRequestOutput], num_first: int,
+                   pairs: list[tuple[int, int]]) -> dict[str, Any]:
+    """vLLM's ``ScoreResponse``: one ``score`` object per pair, in ``text_2``'s order."""
+    first, second = outs[:num_first], outs[num_first:]
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"index": k, "object": "score",
+                      "score": cosine(first[i].outputs.embedding, second[j].outputs.embedding)}
+                     for k, (i, j) in enumerate(pairs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+
+def rerank_response(rid: str, model: str, outs: list[EmbeddingRequestOutput], documents: list[str],
+                    top_n: int) -> dict[str, Any]:
+    """vLLM's ``RerankResponse``: the documents by relevance to the query, highest first."""
+    query, docs = outs[0], outs[1:]
+    scored = sorted(((cosine(query.outputs.embedding, d.outputs.embedding), j) for j, d in enumerate(docs)),
+                    key=lambda x: (-x[0], x[1]))
+    results = [{"index": j, "document": {"text": documents[j]}, "relevance_score": s}
+               for s, j in (scored[:top_n] if top_n else scored)]
+    return {"id": rid, "model": model, "usage": {"total_tokens": sum(len(o.prompt_token_ids) for o in outs)},
+            "results": results}
 
 
 # ---- responses ---------------------------------------------------------------------------

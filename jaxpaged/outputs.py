@@ -107,3 +107,18 @@ class EmbeddingRequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt: str | None = None
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float  # the cosine similarity of the two texts' embeddings
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """A pair of texts scored (vLLM's ``ScoringRequestOutput``): ``outputs.score``."""
+
+    request_id: str  # the two embedding requests' ids, joined by "_"
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the first text's then the second's
+    finished: bool

@@ -7,6 +7,9 @@ final norm, and the request ends there: last-token pooling, vLLM's default for a
 converted to embeddings (``runner="pooling"``) and what Llama- and Qwen3-based embedding models
 such as Qwen3-Embedding are trained for. The vector is then L2-normalized (``normalize``) and
 may be cut to its first ``dimensions`` (Matryoshka embeddings), normalized after the cut.
+
+Scoring (vLLM's ``LLM.score``, ``POST /v1/score`` and ``/v1/rerank`` for an embedding model): two
+texts' score is the cosine similarity of their embeddings (:func:`score_pairs`, :func:`cosine`).
 """
 
 from __future__ import annotations
@@ -57,3 +60,22 @@ def pool(hidden: np.ndarray, params: PoolingParams) -> list[float]:
     if params.normalize:
         x = x / max(float(np.linalg.norm(x)), 1e-12)  # as torch's F.normalize
     return x.tolist()
+
+
+def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
+    """Which texts ``score`` compares (vLLM's rule): one first text with every second one, or
+    the i-th first text with the i-th second one."""
+    if not num_first or not num_second:
+        raise ValueError(f"{'data_1' if not num_first else 'data_2'} is empty: give at least one text")
+    if num_first == 1:
+        return [(0, j) for j in range(num_second)]
+    if num_first != num_second:
+        raise ValueError(f"data_1 has {num_first} texts and data_2 {num_second}: give one first text for all, "
+                         f"or one for each second text")
+    return [(i, i) for i in range(num_first)]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two embeddings (1 for a vector and itself)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))

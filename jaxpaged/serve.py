@@ -3,7 +3,8 @@
 FastAPI + uvicorn over an :class:`~jaxpaged.async_engine.AsyncLLM`:
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events with
 ``"stream": true``), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET
-/metrics`` (Prometheus) and vLLM's ``POST /tokenize`` and ``POST /detokenize``.
+/metrics`` (Prometheus) and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/score``
+and ``POST /v1/rerank``.
 A client that disconnects aborts its requests at once, freeing their blocks.
 
     jaxpaged-serve --port 8000 --max-num-seqs 64
@@ -37,9 +38,10 @@ from jaxpaged.chat_template import ChatTemplateError, check_syntax, load_chat_te
 from jaxpaged.input_processor import chat_messages, encode
 from jaxpaged.lora import LoRARequest
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      EmbeddingRequest, LoadLoRAAdapterRequest, TokenizeRequest,
-                                      UnloadLoRAAdapterRequest, chat_logprobs, chat_response,
-                                      completion_response, embedding_invalid, embedding_response, invalid)
+                                      EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest, ScoreRequest,
+                                      TokenizeRequest, UnloadLoRAAdapterRequest, chat_logprobs, chat_response,
+                                      completion_response, embedding_invalid, embedding_response, invalid,
+                                      rerank_response, score_response)
 from jaxpaged.openai_responses import (OutputItems, ResponsesRequest, ResponseStore, Stored, as_responses_error,
                                       conversation_after, final_status, item_page, new_response_id, now, plain,
                                       reply_stream, response_body)
@@ -350,22 +352,47 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         responses_store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    async def embed(rid: str, inputs: list, body: EmbeddingRequest | ScoreRequest | RerankRequest,
+                    lora: LoRARequest | None) -> list[RequestStream]:
+        """One embedding request per input, all queued or none."""
+        try:
+            return await engine.add_requests(inputs, None, [f"{rid}-{i}" for i in range(len(inputs))],
+                                             priority=body.priority, pooling=body.pooling_params(), lora_request=lora)
+        except (ValueError, TypeError) as e:
+            raise embedding_invalid(e, "input" if isinstance(body, EmbeddingRequest) else None) from None
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
+
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
         """Each input's embedding (:mod:`jaxpaged.pooling`), run beside the generation requests."""
         lora = check_model(body.model)
         rid = f"embd-{uuid.uuid4().hex}"
-        inputs = body.inputs()
-        try:
-            streams = await engine.add_requests(inputs, None, [f"{rid}-{i}" for i in range(len(inputs))],
-                                                priority=body.priority, pooling=body.pooling_params(),
-                                                lora_request=lora)
-        except (ValueError, TypeError) as e:
-            raise embedding_invalid(e) from None
-        except EngineOverloadedError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
+        streams = await embed(rid, body.inputs(), body, lora)
         return await respond(raw, streams, None,
                              lambda outs: embedding_response(rid, model_name(lora), outs, body.encoding_format))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, raw: Request):
+        """vLLM's: each pair's cosine similarity; every text embedded once."""
+        lora = check_model(body.model)
+        first, second, pairs = body.texts()
+        rid = f"score-{uuid.uuid4().hex}"
+        streams = await embed(rid, first + second, body, lora)
+        return await respond(raw, streams, None,
+                             lambda outs: score_response(rid, model_name(lora), outs, len(first), pairs))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw: Request):
+        """vLLM's (Jina's and Cohere's API): the documents by similarity to the query."""
+        lora = check_model(body.model)
+        rid = f"rerank-{uuid.uuid4().hex}"
+        streams = await embed(rid, body.texts(), body, lora)
+        return await respond(raw, streams, None,
+                             lambda outs: rerank_response(rid, model_name(lora), outs, body.documents, body.top_n))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

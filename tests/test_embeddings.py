@@ -122,6 +122,25 @@ def test_async_encode_yields_one_finished_output(qwen):
     np.testing.assert_allclose(outs[0].outputs.embedding, unit(hf_last_hidden(hf, PROMPTS[2])), atol=2e-6, rtol=0)
 
 
+def test_score_is_the_cosine_of_transformers_embeddings(qwen):
+    """``LLM.score`` (vLLM's, for an embedding model): one text against many, pairwise, a text
+    against itself; a bad pairing is refused before any text runs."""
+    lm, hf = qwen
+    llm = LLM(lm, num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    want = [unit(hf_last_hidden(hf, p)) for p in PROMPTS]
+    one = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in one], [want[0] @ w for w in want[1:]], atol=2e-6)
+    assert one[1].prompt_token_ids == PROMPTS[0] + PROMPTS[2] and all(o.finished for o in one)
+    pairwise = llm.score(PROMPTS[1:3], PROMPTS[3:5], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in pairwise], [want[1] @ want[3], want[2] @ want[4]], atol=2e-6)
+    assert abs(llm.score(PROMPTS[3], PROMPTS[3], use_tqdm=False)[0].outputs.score - 1) < 1e-6
+    with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3: give one first text for all"):
+        llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
+    with pytest.raises(ValueError, match="data_2 is empty"):
+        llm.score(PROMPTS[0], [], use_tqdm=False)
+    assert not llm.has_unfinished_requests() and llm.stats()["num_used_blocks"] == 0
+
+
 SERVED = dict(max_num_seqs=8, num_blocks=256, block_size=16)  # the offline engine's too: one geometry's programs
 
 
@@ -147,6 +166,56 @@ def test_server_embeddings_match_the_offline_engine(served, tiny_engine_model):
     np.testing.assert_allclose(vec, want / np.linalg.norm(want), atol=1e-6, rtol=0)
     ids = client.embeddings.create(model=MODEL, input=[offline[1].prompt_token_ids])
     np.testing.assert_allclose(ids.data[0].embedding, offline[1].outputs.embedding, atol=1e-6, rtol=0)
+
+
+def test_server_score_and_rerank_match_the_offline_engine(served, tiny_engine_model):
+    import httpx
+
+    def post(path, body):
+        r = httpx.post(served.url + path, json={"model": MODEL, **body}, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    query = "Where does the KV cache live?"
+    docs = ["In blocks on the device.", "Paris is the capital of France.", "Hello", "The pool of KV blocks."]
+    offline = LLM(tiny_engine_model, **SERVED).embed([query] + docs, use_tqdm=False)
+    q, d = unit(offline[0].outputs.embedding), [unit(o.outputs.embedding) for o in offline[1:]]
+    want = [float(q @ x) for x in d]
+    tokens = sum(len(o.prompt_token_ids) for o in offline)
+    for path in ("/v1/score", "/score"):
+        got = post(path, {"text_1": query, "text_2": docs})
+        assert [x["index"] for x in got["data"]] == [0, 1, 2, 3] and got["object"] == "list"
+        np.testing.assert_allclose([x["score"] for x in got["data"]], want, atol=1e-6)
+        assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] == tokens
+    pairwise = post("/v1/score", {"text_1": docs[:2], "text_2": docs[2:]})
+    np.testing.assert_allclose([x["score"] for x in pairwise["data"]], [d[0] @ d[2], d[1] @ d[3]], atol=1e-6)
+    order = np.argsort(want)[::-1]
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        got = post(path, {"query": query, "documents": docs, "top_n": 2})
+        assert [r["index"] for r in got["results"]] == order[:2].tolist(), got
+        assert [r["document"]["text"] for r in got["results"]] == [docs[i] for i in order[:2]]
+        np.testing.assert_allclose([r["relevance_score"] for r in got["results"]], np.asarray(want)[order[:2]],
+                                   atol=1e-6)
+        assert got["usage"]["total_tokens"] == tokens
+    assert len(post("/v1/rerank", {"query": query, "documents": docs})["results"]) == 4  # top_n 0: all
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+    ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("/v1/score", {"text_1": "", "text_2": "b"}, "text_1"),
+    ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+])
+def test_server_refuses_bad_score_and_rerank_requests_naming_the_field(served, path, body, param):
+    import httpx
+
+    r = httpx.post(served.url + path, json={"model": MODEL, **body}, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert served.llm.bm.stats().num_used_blocks == 0
 
 
 @pytest.mark.parametrize("body,param", [({"input": "hi", "dimensions": 10_000}, "dimensions"),
