@@ -222,3 +222,14 @@ def test_float8_pool_under_pressure_gives_the_roomy_engines_tokens(tiny_engine_m
     assert s[expect] > 0, s
     assert s["num_used_blocks"] == 0 and s["num_host_blocks_used"] == 0, s
     llm.bm.check_invariants()
+
+
+def test_the_command_lines_offer_every_kv_cache_dtype():
+    from jaxpaged.cli import build_parser, engine_kwargs
+    from jaxpaged.kv_cache import KV_CACHE_DTYPES
+    from jaxpaged.serve import build_parser as serve_parser
+
+    for parser in (build_parser(), serve_parser()):
+        action = next(a for a in parser._actions if a.dest == "kv_cache_dtype")
+        assert tuple(action.choices) == KV_CACHE_DTYPES
+    assert engine_kwargs(build_parser().parse_args(["hi", "--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
