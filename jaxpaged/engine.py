@@ -37,8 +37,8 @@ from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.lora import LoRAConfig, LoRAManager, LoRARequest
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
-from jaxpaged.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
-                              ScoringRequestOutput)
+from jaxpaged.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
 from jaxpaged.pooling import PoolingParams, cosine, score_pairs
 from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
 from jaxpaged.runner import ModelRunner
