@@ -107,11 +107,10 @@ class LLM:
         one step at a time.
       kv_cache_dtype: the KV pool's dtype, ``"auto"``, ``"float32"``, ``"bfloat16"``,
         ``"float16"``, or float8 (vLLM's ``"fp8"`` = ``"fp8_e4m3"``, ``"fp8_e5m2"``).
-        ``"auto"``: the model's dtype, but float32 for a 16-bit model on CPU, whose scatter
-        into a 16-bit pool rewrites the whole pool on every write (the same tokens). float8
-        holds 4x a float32 pool's tokens in the same memory (2x bfloat16's); K and V are
-        rounded to it (scale 1) and the tokens may differ (see
-        :func:`~jaxpaged.kv_cache.resolve_kv_cache_dtype`).
+        ``"auto"``: the model's dtype, but float32 for a 16-bit model on CPU (its activations
+        are float32 there, so its K/V stay exact). float8 holds 4x a float32 pool's tokens in
+        the same memory (2x bfloat16's); K and V are rounded to it (scale 1) and the tokens
+        may differ (see :func:`~jaxpaged.kv_cache.resolve_kv_cache_dtype`).
       speculative_config: speculative decoding, vLLM's form: ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
         (or a :class:`~jaxpaged.spec_decode.SpeculativeConfig`). A decoding sequence proposes

@@ -525,14 +525,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: --model, or the embedded name)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes")
     p.add_argument("--max-waiting-requests", type=int,
                    help="most requests queued and not yet running; beyond, requests get 503 (default: no limit)")
     p.add_argument("--responses-store-size", type=int, default=1024,
                    help="most recent /v1/responses responses kept for GET and previous_response_id (default 1024; "
                         "0 keeps none)")
+    add_app_args(p)
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --enable-lora")
+    add_engine_args(p)
+    return p
+
+
+def add_app_args(p: argparse.ArgumentParser) -> None:
+    """The options of what the API serves, shared with ``jaxpaged.run_batch``."""
+    p.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model, or the embedded name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let chat requests leave tool calls to the model (tool_choice "auto"); needs --tool-call-parser')
@@ -552,11 +562,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters (PEFT folders) served by name beside the base model, a request's model "
                         'picking one: name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}; '
                         "needs --enable-lora")
-    p.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --enable-lora")
-    add_engine_args(p)
-    return p
 
 
 def lora_module(value: str) -> dict:
@@ -583,15 +588,16 @@ def default_model_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_MODEL_FILE.removesuffix(".gguf")
 
 
-def run(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def start(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[AsyncLLM, FastAPI, str]:
+    """The engine and the app that ``args`` (:func:`build_parser`'s, or ``jaxpaged.run_batch``'s)
+    ask for, and the served model's name; a bad option stops it through ``parser.error``."""
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         parser.error("--enable-auto-tool-choice and --tool-call-parser go together")
-    if args.responses_store_size < 0:
-        parser.error(f"--responses-store-size must be at least 0, got {args.responses_store_size}")
-    for flag, given in (("--lora-modules", args.lora_modules),
-                        ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating)):
+    store = getattr(args, "responses_store_size", 1024)
+    if store < 0:
+        parser.error(f"--responses-store-size must be at least 0, got {store}")
+    runtime_lora = getattr(args, "allow_runtime_lora_updating", False)
+    for flag, given in (("--lora-modules", args.lora_modules), ("--allow-runtime-lora-updating", runtime_lora)):
         if given and not args.enable_lora:
             parser.error(f"{flag} needs --enable-lora")
     names = [m["name"] for m in args.lora_modules]
@@ -610,13 +616,20 @@ def run(argv: list[str] | None = None) -> int:
              for i, m in enumerate(args.lora_modules, 1)]
     for r in loras:  # loaded and checked now, as vLLM's static adapters: a bad one stops the start
         llm.inputs.lora.get(r)
-    engine = AsyncLLM(llm, max_waiting_requests=args.max_waiting_requests)
+    engine = AsyncLLM(llm, max_waiting_requests=getattr(args, "max_waiting_requests", None))
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, served_model_name=name, api_key=args.api_key, tool_call_parser=args.tool_call_parser,
-                    responses_store_size=args.responses_store_size, chat_template=template,
+    app = build_app(engine, served_model_name=name, api_key=getattr(args, "api_key", None),
+                    tool_call_parser=args.tool_call_parser, responses_store_size=store, chat_template=template,
                     trust_request_chat_template=args.trust_request_chat_template,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=loras,
-                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                    allow_runtime_lora_updating=runtime_lora)
+    return engine, app, name
+
+
+def run(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    engine, app, name = start(parser, args)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -130,6 +130,9 @@ def parse_args(argv=None):
                    help="jaxpaged's weights (activations stay float32 on CPU); llama.cpp gets the GGUF requantized "
                         "to the same (F32 or BF16)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="jaxpaged's K/V (auto: float32 on CPU for float32 weights); bfloat16 or fp8 round them, so "
+                        "the float32 peers' ratios then compare other precisions")
     p.add_argument("--no-warmup", action="store_true", help="time the first run, compilations included")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample instead of greedy (jaxpaged only: the peers' check compares greedy tokens)")
@@ -623,12 +626,14 @@ def main(argv=None) -> dict:
         return LLM(lm, block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                    enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                   data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention, **kw)
+                   data_parallel_size=args.data_parallel_size, enable_dp_attention=args.enable_dp_attention,
+                   kv_cache_dtype=args.kv_cache_dtype, **kw)
 
     llm = engine()
     form = llm.loaded.model
     layout = "" if form.is_stacked else f", CPU weights {'[out, in]' if form.layers[0].out_in else '[in, out]'}"
-    print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {llm.block_size}, max_num_seqs {args.max_num_seqs}, "
+    print(f"engine: {llm.bm.stats().num_blocks} KV blocks of {llm.block_size} in {args.kv_cache_dtype} "
+          f"({llm.kv_cache_dtype} arrays), max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {llm.max_num_batched_tokens}, backend {lm.model.attention_backend}{layout}",
           flush=True)
     cost = ModelCost.from_loaded(lm, kv_dtype=llm.kv_cache_dtype)  # a 16-bit model's pool is float32 on CPU

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_checks.sh native mosaic mixed matmul engine-ab
 #
-# native   : every native Pallas kernel test (8 pytest workers sharing the GPU, so the
+# native   : every native Pallas kernel test, float8 pools too (8 pytest workers sharing the GPU, so the
 #            Triton compilations run side by side; ~90 s on an H100)
 # mosaic   : the compiled Mosaic GPU stacked matmul against XLA's matmul at Llama-3-8B shapes
 # mixed    : bench_gpu --only mixed (a busy mixed step's attention, every way, incl. the
@@ -40,7 +40,8 @@ for stage in "$@"; do
     case $stage in
         native)
             XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider \
-                tests/test_kernels.py -k Native 2>&1 | grep -v -E "$quiet" | tail -15 | tee "$out/native.txt" ;;
+                tests/test_kernels.py tests/test_kv_fp8.py -k "Native or native" 2>&1 | grep -v -E "$quiet" | tail -15 \
+                | tee "$out/native.txt" ;;
         mosaic)
             timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_stacked_matmul.py -k mosaic_native 2>&1 \
                 | grep -v -E "$quiet" | tail -25 | tee "$out/mosaic.txt" ;;

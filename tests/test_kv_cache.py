@@ -217,7 +217,8 @@ def test_kv_cache_dtype_auto_is_the_models_but_float32_for_16_bit_on_cpu():
     assert resolve_kv_cache_dtype("auto", jnp.float32, "cpu") == jnp.float32
     for platform in ("gpu", "tpu"):
         assert resolve_kv_cache_dtype("auto", jnp.bfloat16, platform) == jnp.bfloat16
-    assert resolve_kv_cache_dtype("bfloat16", jnp.float32, "cpu") == jnp.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", jnp.float32, "cpu") == jnp.uint16  # its bits (test_kv_fp8.py)
+    assert resolve_kv_cache_dtype("bfloat16", jnp.float32, "gpu") == jnp.bfloat16
     assert resolve_kv_cache_dtype("float32", jnp.bfloat16, "tpu") == jnp.float32
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
         resolve_kv_cache_dtype("int8", jnp.float32, "cpu")

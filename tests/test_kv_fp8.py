@@ -99,6 +99,17 @@ def test_ragged_kernels_read_float8_pools(impl, fmt, q_dtype):
     check(GPU_RAGGED[impl](q, *rest, scale=0.125), ref.astype(q_dtype), q_dtype)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="native Pallas kernels need a GPU")
+@pytest.mark.parametrize("fmt, q_dtype", CASES, ids=lambda x: getattr(x, "__name__", x))
+def test_native_gpu_kernels_read_float8_pools(fmt, q_dtype):
+    """The Triton kernels compiled for the GPU (scripts/gpu_checks.sh runs these where one is lent)."""
+    (q, *rest), ref = decode_inputs(fmt, q_dtype, False)
+    check(paged_decode_attention(q, *rest, scale=0.125, interpret=False), ref.astype(q_dtype), q_dtype)
+    (q, *rest), ref = ragged_inputs(fmt, q_dtype, False)
+    for fn in (ragged_paged_attention, mixed_paged_attention):
+        check(fn(q, *rest, scale=0.125, interpret=False), ref.astype(q_dtype), q_dtype)
+
+
 @pytest.mark.parametrize("fmt, q_dtype", CASES[:2], ids=lambda x: getattr(x, "__name__", x))
 def test_tpu_kernels_read_float8_pools(fmt, q_dtype):
     """TPU interpret mode (simulated DMAs into byte VMEM slots), several compute blocks a row."""

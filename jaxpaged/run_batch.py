@@ -1,0 +1,149 @@
+"""``jaxpaged-run-batch``: a file of OpenAI batch requests, run offline (vLLM's ``run_batch``;
+also ``python -m jaxpaged.run_batch``).
+
+    jaxpaged-run-batch -i requests.jsonl -o results.jsonl [engine and API options]
+
+Each input line is one request in OpenAI's batch format::
+
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
+
+with ``url`` one of :data:`URLS`. Each output line answers the input line at the same place::
+
+    {"id": "batch_req_...", "custom_id": "q1", "error": null,
+     "response": {"status_code": 200, "request_id": "...", "body": {...the endpoint's response...}}}
+
+The requests go, all at once, through ``jaxpaged-serve``'s app in this process (no socket): the
+same validation, defaults and responses as the server, and one engine batching them all. A line
+that is not a request (bad JSON, a missing field, another method or url, ``"stream": true``) or
+that the endpoint refuses gets its status code and the error's message in ``error``; the other
+lines run. The output is written to a temporary file beside it, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+PROG = "jaxpaged-run-batch"
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/responses")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxpaged.cli import add_engine_args
+    from jaxpaged.serve import add_app_args
+
+    p = argparse.ArgumentParser(prog=PROG, description="Run a file of OpenAI batch requests (JSON lines) offline.")
+    p.add_argument("-i", "--input-file", required=True, type=Path, help="the requests, one JSON object a line")
+    p.add_argument("-o", "--output-file", required=True, type=Path, help="the results, one JSON object a line")
+    add_app_args(p)
+    add_engine_args(p)
+    return p
+
+
+def parse_line(line: str) -> tuple[str | None, str, dict[str, Any]]:
+    """``(custom_id, url, body)`` of an input line; ``ValueError`` saying what is wrong with it."""
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the line is not JSON: {e}") from None
+    if not isinstance(request, dict):
+        raise ValueError(f"a request is a JSON object, got {type(request).__name__}")
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str):
+        raise ValueError(f"custom_id must be a string, got {custom_id!r}")
+    method, url, body = request.get("method"), request.get("url"), request.get("body")
+    if method != "POST":
+        raise ValueError(f"method must be 'POST', got {method!r}")
+    if url not in URLS:
+        raise ValueError(f"url {url!r} is not supported; choose from {', '.join(URLS)}")
+    if not isinstance(body, dict):
+        raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
+    if body.get("stream"):
+        raise ValueError("stream is not supported in a batch")
+    return custom_id, url, body
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _output(custom_id: str | None, status: int, body: Any, error: str | None) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "error": error,
+            "response": {"status_code": status, "request_id": f"batch-{uuid.uuid4().hex}",
+                         "body": body if error is None else None}}
+
+
+async def run_lines(app, lines: list[str], *, progress: bool = False) -> list[dict[str, Any]]:
+    """Every line's output, in order: the requests posted to ``app`` concurrently."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(lines), desc="batch", unit="req", disable=not progress, dynamic_ncols=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
+                                 timeout=None) as client:
+        async def one(line: str) -> dict[str, Any]:
+            try:
+                custom_id, url, body = parse_line(line)
+            except ValueError as e:
+                bar.update()
+                raw = json.loads(line) if _is_json_object(line) else {}
+                return _output(raw.get("custom_id"), 400, None, str(e))
+            r = await client.post(url, json=body)
+            bar.update()
+            payload = r.json()
+            if r.status_code == 200:
+                return _output(custom_id, 200, payload, None)
+            error = payload.get("error") if isinstance(payload, dict) else None
+            return _output(custom_id, r.status_code, None,
+                           error.get("message", str(error)) if isinstance(error, dict) else str(payload))
+
+        try:
+            return list(await asyncio.gather(*(one(line) for line in lines)))
+        finally:
+            bar.close()
+
+
+def run(argv: list[str] | None = None) -> int:
+    from jaxpaged.serve import start
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        lines = [line for line in args.input_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"--input-file {args.input_file}: {e}")
+    out_dir = args.output_file.resolve().parent
+    if not out_dir.is_dir():
+        parser.error(f"--output-file {args.output_file}: no folder {out_dir}")
+    engine, app, _ = start(parser, args)
+    try:
+        outputs = asyncio.run(run_lines(app, lines, progress=True))
+    finally:
+        engine.shutdown()
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{args.output_file.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(o) + "\n" for o in outputs)
+    os.replace(tmp, args.output_file)
+    failed = sum(o["error"] is not None for o in outputs)
+    print(f"{PROG}: {len(outputs)} requests, {failed} failed; results in {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxpaged.cli import exit_code
+
+    return exit_code(run, PROG, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
