@@ -354,7 +354,7 @@ def run_llama_cpp(args, llm, w: Workload, main_run: RunResult, llama: tuple[Path
                 "decode_tok_s": f32[one]["single_stream"]["decode_tok_s"], "decode_config": one,
                 "decode_ratio": f32[one]["single_stream"]["paired_ratio"]}
     token_bytes = cost.weight_bytes + cost.kv_bytes_per_token * (len(prompts1[0]) + n // 2)
-    out = {"configs": configs, "best_float32": best, "dtype": args.dtype,
+    out = {"configs": configs, "best_float32": best, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
            "single_stream": {"jaxpaged": jp1, "prompt_len": len(prompts1[0]), "new_tokens": n,
                              "read_floor_tok_s": read_bandwidth / token_bytes, "token_bytes": token_bytes,
                              "read_bandwidth": read_bandwidth}}
@@ -367,8 +367,10 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
 
     configs, ss, best = out["configs"], out["single_stream"], out["best_float32"]
     jp1 = ss["jaxpaged"]
+    kv = out["kv_cache_dtype"]
+    precision = out["dtype"] if kv == "auto" else f"{out['dtype']}, K/V {kv}"
     ok = len(w) - jp.wrong_lengths
-    rows = [[jp.label, out["dtype"], jp.num_requests, jp.num_generated, jp.wall_s, jp.gen_tok_s, jp.total_tok_s,
+    rows = [[jp.label, precision, jp.num_requests, jp.num_generated, jp.wall_s, jp.gen_tok_s, jp.total_tok_s,
              f"{ok}/{len(w)}", "-", "-"]]
     notes = []
     for name, c in configs.items():
@@ -390,7 +392,7 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
                    "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
                    "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
     floor = ss["read_floor_tok_s"]
-    rows = [["jaxpaged", out["dtype"], jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
+    rows = [["jaxpaged", precision, jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
              jp1["decode_tok_s"] / floor, " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"],
              "-", "-", jp1["prefill_tok_s"]]]
     for name, c in configs.items():
@@ -415,7 +417,7 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
            f"K/V of the mean context, {ss['token_bytes'] / 1e6:.0f} MB) at the read bandwidth measured in this "
            f"run ({ss['read_bandwidth'] / 1e9:.1f} GB/s, a jax sum); no decode of one request reads less"])
     if best:
-        print(f"against llama.cpp's fastest setting with float32 K/V, weights {out['dtype']}: generated tok/s "
+        print(f"against llama.cpp's fastest setting with float32 K/V, jaxpaged's {precision}: generated tok/s "
               "llama.cpp / jaxpaged "
               f"{best['gen_tok_s'] / jp.gen_tok_s:.2f} ({best['gen_config']}), single stream "
               f"{best['decode_ratio']:.2f} ({best['decode_config']}, paired)", flush=True)
