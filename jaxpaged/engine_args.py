@@ -139,12 +139,13 @@ def default_block_size(platform: str, attention_backend: str = "auto", kv_cache_
     kernels run). The costs: a block of 64 wastes up to 63 slots per sequence (that workload
     peaks at 87% KV utilization), and prefix caching shares whole blocks only, so a shared
     prefix shorter than 64 tokens gets no hit (``LLM(block_size=16)`` where that matters).
-    A float8 pool on TPU takes 32: a page of bytes must fill whole 32-row VMEM tiles
-    (``pallas.tpu_common.check_tpu_shapes``).
+    A float8 pool under the TPU kernels takes 32: a page of bytes must fill whole 32-row VMEM
+    tiles (``pallas.tpu_common.check_tpu_shapes``).
     """
-    if platform == "cpu" and resolve_backend(attention_backend, "cpu") == "xla":
+    backend = resolve_backend(attention_backend, platform)
+    if platform == "cpu" and backend == "xla":
         return 64
-    return 32 if platform == "tpu" and kv_cache_dtype.startswith("fp8") else 16
+    return 32 if backend == "pallas_tpu" and kv_cache_dtype.startswith("fp8") else 16
 
 
 def _default_kv_bytes(block_bytes: int, block_size: int | None, attention_backend: str, max_num_seqs: int,

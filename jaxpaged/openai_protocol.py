@@ -553,9 +553,10 @@ class RerankRequest(BaseModel):
 
 def score_response(rid: str, model: str, outs: list[EmbeddingRequestOutput], num_first: int,
                    pairs: list[tuple[int, int]]) -> dict[str, Any]:
-    """vLLM's ``ScoreResponse``: one ``score`` object per pair, in ``text_2``'s order."""
+    """vLLM's ``ScoreResponse``: one ``score`` object per pair, in ``text_2``'s order; the usage
+    counts each pair's tokens, as vLLM's (one first text for many is counted for each)."""
     first, second = outs[:num_first], outs[num_first:]
-    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    tokens = sum(len(first[i].prompt_token_ids) + len(second[j].prompt_token_ids) for i, j in pairs)
     return {"id": rid, "object": "list", "created": int(time.time()), "model": model,
             "data": [{"index": k, "object": "score",
                       "score": cosine(first[i].outputs.embedding, second[j].outputs.embedding)}
@@ -565,14 +566,15 @@ def score_response(rid: str, model: str, outs: list[EmbeddingRequestOutput], num
 
 def rerank_response(rid: str, model: str, outs: list[EmbeddingRequestOutput], documents: list[str],
                     top_n: int) -> dict[str, Any]:
-    """vLLM's ``RerankResponse``: the documents by relevance to the query, highest first."""
+    """vLLM's ``RerankResponse``: the documents by relevance to the query, highest first; the
+    usage counts the query with each document, as vLLM's."""
     query, docs = outs[0], outs[1:]
     scored = sorted(((cosine(query.outputs.embedding, d.outputs.embedding), j) for j, d in enumerate(docs)),
                     key=lambda x: (-x[0], x[1]))
     results = [{"index": j, "document": {"text": documents[j]}, "relevance_score": s}
                for s, j in (scored[:top_n] if top_n else scored)]
-    return {"id": rid, "model": model, "usage": {"total_tokens": sum(len(o.prompt_token_ids) for o in outs)},
-            "results": results}
+    tokens = sum(len(query.prompt_token_ids) + len(d.prompt_token_ids) for d in docs)
+    return {"id": rid, "model": model, "usage": {"total_tokens": tokens}, "results": results}
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -89,18 +89,26 @@ async def run_lines(app, lines: list[str], *, progress: bool = False) -> list[di
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(lines), desc="batch", unit="req", disable=not progress, dynamic_ncols=True)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
-                                 timeout=None) as client:
+    # raise_app_exceptions=False: an internal error is that request's 500, as the server answers it.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
         async def one(line: str) -> dict[str, Any]:
             try:
                 custom_id, url, body = parse_line(line)
             except ValueError as e:
                 bar.update()
                 raw = json.loads(line) if _is_json_object(line) else {}
-                return _output(raw.get("custom_id"), 400, None, str(e))
-            r = await client.post(url, json=body)
-            bar.update()
-            payload = r.json()
+                cid = raw.get("custom_id")
+                return _output(cid if isinstance(cid, str) else None, 400, None, str(e))
+            try:
+                # As JSON the server parses (ASCII escapes: a lone surrogate or NaN is its to refuse).
+                r = await client.post(url, content=json.dumps(body, ensure_ascii=True).encode(),
+                                      headers={"content-type": "application/json"})
+                payload = r.json()
+            except Exception as e:  # noqa: BLE001  (one line's failure is that line's answer)
+                return _output(custom_id, 500, None, f"internal error: {type(e).__name__}: {e}")
+            finally:
+                bar.update()
             if r.status_code == 200:
                 return _output(custom_id, 200, payload, None)
             error = payload.get("error") if isinstance(payload, dict) else None
@@ -119,21 +127,31 @@ def run(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        lines = [line for line in args.input_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # Lines end at "\n" only: JSON strings may hold U+2028 and the like unescaped.
+        text = args.input_file.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         parser.error(f"--input-file {args.input_file}: {e}")
+    lines = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
     out_dir = args.output_file.resolve().parent
-    if not out_dir.is_dir():
-        parser.error(f"--output-file {args.output_file}: no folder {out_dir}")
+    if not out_dir.is_dir() or args.output_file.is_dir():
+        parser.error(f"--output-file {args.output_file}: " + ("is a folder" if args.output_file.is_dir()
+                                                              else f"no folder {out_dir}"))
     engine, app, _ = start(parser, args)
     try:
         outputs = asyncio.run(run_lines(app, lines, progress=True))
     finally:
         engine.shutdown()
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{args.output_file.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(o) + "\n" for o in outputs)
-    os.replace(tmp, args.output_file)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(o) + "\n" for o in outputs)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a file opened for writing would be, not mkstemp's 0600
+        os.replace(tmp, args.output_file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     failed = sum(o["error"] is not None for o in outputs)
     print(f"{PROG}: {len(outputs)} requests, {failed} failed; results in {args.output_file}", file=sys.stderr)
     return 0

@@ -127,7 +127,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.middleware("http")
     async def _authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        # vLLM's guard covers /v1; the score and rerank aliases outside it run the model too.
+        if api_key is not None and request.url.path.startswith(("/v1", "/v2", "/score", "/rerank")):
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
                 return error(APIError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",

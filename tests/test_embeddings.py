@@ -182,7 +182,8 @@ def test_server_score_and_rerank_match_the_offline_engine(served, tiny_engine_mo
     offline = LLM(tiny_engine_model, **SERVED).embed([query] + docs, use_tqdm=False)
     q, d = unit(offline[0].outputs.embedding), [unit(o.outputs.embedding) for o in offline[1:]]
     want = [float(q @ x) for x in d]
-    tokens = sum(len(o.prompt_token_ids) for o in offline)
+    # vLLM's usage: each pair's tokens (the query counted with every document)
+    tokens = sum(len(offline[0].prompt_token_ids) + len(o.prompt_token_ids) for o in offline[1:])
     for path in ("/v1/score", "/score"):
         got = post(path, {"text_1": query, "text_2": docs})
         assert [x["index"] for x in got["data"]] == [0, 1, 2, 3] and got["object"] == "list"
@@ -190,6 +191,7 @@ def test_server_score_and_rerank_match_the_offline_engine(served, tiny_engine_mo
         assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] == tokens
     pairwise = post("/v1/score", {"text_1": docs[:2], "text_2": docs[2:]})
     np.testing.assert_allclose([x["score"] for x in pairwise["data"]], [d[0] @ d[2], d[1] @ d[3]], atol=1e-6)
+    assert pairwise["usage"]["total_tokens"] == sum(len(o.prompt_token_ids) for o in offline[1:])
     order = np.argsort(want)[::-1]
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         got = post(path, {"query": query, "documents": docs, "top_n": 2})
@@ -199,6 +201,11 @@ def test_server_score_and_rerank_match_the_offline_engine(served, tiny_engine_mo
                                    atol=1e-6)
         assert got["usage"]["total_tokens"] == tokens
     assert len(post("/v1/rerank", {"query": query, "documents": docs})["results"]) == 4  # top_n 0: all
+    assert len(post("/v1/rerank", {"query": query, "documents": docs, "top_n": 9})["results"]) == 4
+    for path in ("/score", "/rerank", "/v2/rerank"):  # the aliases outside /v1 run the model too: the key guards them
+        r = httpx.post(served.url + path, json={"model": MODEL, "text_1": "a", "text_2": "b", "query": "a",
+                                                 "documents": ["b"]}, timeout=60)
+        assert r.status_code == 401, (path, r.text)
 
 
 @pytest.mark.parametrize("path,body,param", [

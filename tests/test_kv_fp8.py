@@ -244,3 +244,11 @@ def test_the_command_lines_offer_every_kv_cache_dtype():
         action = next(a for a in parser._actions if a.dest == "kv_cache_dtype")
         assert tuple(action.choices) == KV_CACHE_DTYPES
     assert engine_kwargs(build_parser().parse_args(["hi", "--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+
+
+def test_a_float8_pool_under_the_tpu_kernels_gets_blocks_of_32_by_default():
+    from jaxpaged.engine_args import default_block_size
+
+    assert default_block_size("tpu", "auto", "fp8") == default_block_size("cpu", "pallas_tpu", "fp8_e5m2") == 32
+    assert default_block_size("tpu", "auto", "bfloat16") == default_block_size("gpu", "auto", "fp8") == 16
+    assert default_block_size("cpu", "auto", "fp8") == 64

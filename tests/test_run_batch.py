@@ -78,10 +78,42 @@ def test_a_batch_gives_the_offline_engines_answers_and_each_bad_line_its_error(t
     assert "max_tokens" in messages[4] and "the model 'other' does not exist" in messages[5]
 
 
+def test_lines_the_app_cannot_take_are_answered_in_their_place(tiny_engine_model, monkeypatch):
+    """JSON that Python reads but no JSON encoder writes (NaN, a lone surrogate), an internal
+    error (a 500, as the server answers it), a custom_id that is no string: each is its line's
+    answer and the other lines run."""
+    import jaxpaged.serve
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(jaxpaged.serve, "rerank_response", broken)
+    llm = LLM(tiny_engine_model, **ENGINE)
+    engine = AsyncLLM(llm)
+    good = line("ok", "/v1/completions", {"model": MODEL, "prompt": "a\u2028b", "max_tokens": 2})
+    lines = ['{"custom_id": "nan", "method": "POST", "url": "/v1/completions", '
+             '"body": {"model": "tiny", "prompt": "x", "temperature": NaN}}',
+             '{"custom_id": "surrogate", "method": "POST", "url": "/v1/completions", '
+             '"body": {"model": "tiny", "prompt": "\\ud800"}}',
+             line("boom", "/v1/rerank", {"model": MODEL, "query": "q", "documents": ["d"]}),
+             json.dumps({"custom_id": 5, "method": "POST", "url": "/v1/completions", "body": {}}), good]
+    try:
+        outs = asyncio.run(run_lines(build_app(engine, served_model_name=MODEL), lines))
+    finally:
+        engine.shutdown()
+    got = [(o["custom_id"], o["response"]["status_code"]) for o in outs]
+    assert got == [("nan", 400), ("surrogate", 400), ("boom", 500), (None, 400), ("ok", 200)], outs
+    assert "ZeroDivisionError" in outs[2]["error"] and "custom_id must be a string" in outs[3]["error"]
+    assert llm.bm.stats().num_used_blocks == 0
+
+
 def test_the_command_line_writes_one_result_per_line(tiny_engine_folder, tmp_path, capsys):
     good, bad = batch_lines()
     src = tmp_path / "in.jsonl"
-    src.write_text("\n".join([good[0], "", bad[1], good[3]]) + "\n")
+    chat = json.loads(good[3])
+    chat["body"]["messages"][0]["content"] = "Hi\u2028there"  # unescaped, a line separator to str.splitlines
+    src.write_text("\ufeff" + "\r\n".join([good[0], "", bad[1], json.dumps(chat, ensure_ascii=False)]) + "\n",
+                   encoding="utf-8")  # a byte-order mark and Windows line ends too
     dst = tmp_path / "out.jsonl"
     args = ["-i", str(src), "-o", str(dst), "--model", str(tiny_engine_folder), "--served-model-name", MODEL,
             "--num-blocks", "64", "--block-size", "16", "--max-num-seqs", "4", "--log-level", "warning"]
@@ -91,7 +123,8 @@ def test_the_command_line_writes_one_result_per_line(tiny_engine_folder, tmp_pat
     assert "3 requests, 1 failed" in capsys.readouterr().err
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.jsonl")]  # the temporary file renamed
     for bad_args, message in (([str(tmp_path / "missing.jsonl"), str(dst)], "--input-file"),
-                              ([str(src), str(tmp_path / "no" / "out.jsonl")], "--output-file")):
+                              ([str(src), str(tmp_path / "no" / "out.jsonl")], "--output-file"),
+                              ([str(src), str(tmp_path)], "is a folder")):
         with pytest.raises(SystemExit):
             main(["-i", bad_args[0], "-o", bad_args[1]])
         assert message in capsys.readouterr().err
