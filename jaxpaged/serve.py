@@ -526,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes")
+    p.add_argument("--api-key",
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (and /v2/rerank, /score, /rerank)")
     p.add_argument("--max-waiting-requests", type=int,
                    help="most requests queued and not yet running; beyond, requests get 503 (default: no limit)")
     p.add_argument("--responses-store-size", type=int, default=1024,
