@@ -26,8 +26,19 @@ class _EngineState:
 
     def __init__(self, engine: AsyncLLM):
         self.engine = engine
+        llm = engine.llm
+        # vLLM's cache_config_info: the KV cache's settings in labels, the value 1 (read at start).
+        self.cache_config = {"block_size": str(llm.block_size), "cache_dtype": llm.args.kv_cache_dtype,
+                             "kv_array_dtype": str(llm.kv_cache_dtype),
+                             "num_gpu_blocks": str(llm.bm.num_usable_blocks + llm.data_parallel_size),
+                             "num_cpu_blocks": str(llm.bm.num_host_blocks),
+                             "enable_prefix_caching": str(llm.args.enable_prefix_caching)}
 
     def collect(self):
+        info = GaugeMetricFamily("jaxpaged:cache_config_info", "The KV cache's settings (vLLM's).",
+                                 labels=list(self.cache_config))
+        info.add_metric(list(self.cache_config.values()), 1.0)
+        yield info
         s = self.engine.stats
         for name, doc, value in (
             ("num_requests_running", "Requests running (their KV on the device or swapped out).", s.num_running),

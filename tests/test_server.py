@@ -114,6 +114,10 @@ def test_models_health_metrics(srv, http, client):
                  "time_to_first_token_seconds_count", "inter_token_latency_seconds_count"):
         assert f"jaxpaged:{name}" in m
     assert 0 <= m["jaxpaged:kv_cache_usage_perc"] <= 1
+    info = next(line for line in http.get("/metrics").text.splitlines() if line.startswith("jaxpaged:cache_config"))
+    llm = srv.llm
+    assert (f'block_size="{llm.block_size}"' in info and 'cache_dtype="auto"' in info and 'kv_array_dtype="float32"'
+            in info and f'num_gpu_blocks="{ENGINE["num_blocks"]}"' in info and info.endswith(" 1.0")), info
 
 
 def test_metrics_count_what_a_request_used(http, client):
