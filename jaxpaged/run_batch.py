@@ -88,7 +88,7 @@ async def run_lines(app, lines: list[str], *, progress: bool = False) -> list[di
     import httpx
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(lines), desc="batch", unit="req", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(lines), desc="batch", unit="req", disable=None if progress else True, dynamic_ncols=True)
     # raise_app_exceptions=False: an internal error is that request's 500, as the server answers it.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
