@@ -26,7 +26,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,20 @@ def save_figure(fig, name: str) -> Path:
 
 def percentile(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, np.float64), q)) if len(xs) else float("nan")
+
+
+def alternating_runs(run: Callable[[str], float], cases: Iterable[str], reps: int) -> dict[str, list[float]]:
+    """``run(case)`` for every case ``reps`` times, the cases taking turns within each round (this
+    machine's speed drifts within minutes, so side by side is the only fair order), after one
+    untimed round that compiles every step shape."""
+    cases = list(cases)
+    for case in cases:
+        run(case)
+    rates: dict[str, list[float]] = {case: [] for case in cases}
+    for _ in range(reps):
+        for case in cases:
+            rates[case].append(run(case))
+    return rates
 
 
 # ---- ceilings -----------------------------------------------------------------------

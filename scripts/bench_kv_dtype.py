@@ -1,4 +1,5 @@
-"""What a float8 KV cache holds, costs and changes, side by side, on the default model (float32 weights).
+"""What a bfloat16 or float8 KV cache holds, costs and changes, side by side, on the default model
+(float32 weights).
 
 For each ``kv_cache_dtype`` (float32, bfloat16, fp8 = fp8_e4m3, fp8_e5m2) at the same ``--kv-cache-memory``:
 
@@ -22,7 +23,7 @@ import statistics
 import time
 
 import numpy as np
-from bench_common import table
+from bench_common import alternating_runs, table
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.loader import load_model
@@ -91,12 +92,7 @@ def main() -> None:
         outs = engines[d].generate(bench, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
-    for d in DTYPES:  # compile every step shape first
-        run(d)
-    rates = {d: [] for d in DTYPES}
-    for _ in range(args.reps):
-        for d in DTYPES:
-            rates[d].append(run(d))
+    rates = alternating_runs(run, DTYPES, args.reps)
     rows = []
     for d in DTYPES:
         e = engines[d]
@@ -109,10 +105,10 @@ def main() -> None:
                      f"{diff.mean():.4f}", f"{diff.max():.3f}", f"{same:.2f}", med,
                      med / statistics.median(rates["float32"]), " / ".join(f"{r:.1f}" for r in rates[d])])
     table(f"KV cache dtypes at {args.kv_cache_memory}: accuracy on {len(TEXTS)} English prompts + "
-                f"{args.output_len} greedy tokens ({len(ref)} positions); speed on {args.num_requests} x "
-                f"({args.prompt_len} + {args.output_len}) tokens, median of {args.reps}",
-                ["kv_cache_dtype", "pool array", "tokens held", "top-1 = float32's", "mean |d logprob|",
-                 "max |d logprob|", "greedy text = float32's", "generated tok/s", "vs float32", "runs"], rows)
+          f"{args.output_len} greedy tokens ({len(ref)} positions); speed on {args.num_requests} x "
+          f"({args.prompt_len} + {args.output_len}) tokens, median of {args.reps}",
+          ["kv_cache_dtype", "pool array", "tokens held", "top-1 = float32's", "mean |d logprob|",
+           "max |d logprob|", "greedy text = float32's", "generated tok/s", "vs float32", "runs"], rows)
 
 
 if __name__ == "__main__":

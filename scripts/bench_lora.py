@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import table
+from bench_common import alternating_runs, table
 from safetensors.numpy import save_file
 
 from jaxpaged import LLM, LoRARequest, SamplingParams
@@ -82,12 +82,7 @@ def main() -> None:
         outs = engines[engine].generate(ps, params, lora_request=lora, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
-    for case in cases:  # compile every step shape first
-        run(case)
-    rates = {case: [] for case in cases}
-    for _ in range(args.reps):
-        for case in cases:
-            rates[case].append(run(case))
+    rates = alternating_runs(run, cases, args.reps)
     med = {case: statistics.median(r) for case, r in rates.items()}
     rows = []
     for case in cases:
