@@ -47,34 +47,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_line(line: str) -> tuple[str | None, str, dict[str, Any]]:
-    """``(custom_id, url, body)`` of an input line; ``ValueError`` saying what is wrong with it."""
+class BadLine(ValueError):
+    """An input line that is not a request; ``custom_id`` its id where it has a string one."""
+
+    def __init__(self, message: str, custom_id: str | None = None):
+        super().__init__(message)
+        self.custom_id = custom_id
+
+
+def parse_line(line: str) -> tuple[str, str, dict[str, Any]]:
+    """``(custom_id, url, body)`` of an input line; :class:`BadLine` saying what is wrong with it."""
     try:
         request = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"the line is not JSON: {e}") from None
+        raise BadLine(f"the line is not JSON: {e}") from None
     if not isinstance(request, dict):
-        raise ValueError(f"a request is a JSON object, got {type(request).__name__}")
+        raise BadLine(f"a request is a JSON object, got {type(request).__name__}")
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str):
-        raise ValueError(f"custom_id must be a string, got {custom_id!r}")
+        raise BadLine(f"custom_id must be a string, got {custom_id!r}")
     method, url, body = request.get("method"), request.get("url"), request.get("body")
     if method != "POST":
-        raise ValueError(f"method must be 'POST', got {method!r}")
+        raise BadLine(f"method must be 'POST', got {method!r}", custom_id)
     if url not in URLS:
-        raise ValueError(f"url {url!r} is not supported; choose from {', '.join(URLS)}")
+        raise BadLine(f"url {url!r} is not supported; choose from {', '.join(URLS)}", custom_id)
     if not isinstance(body, dict):
-        raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
+        raise BadLine(f"body must be a JSON object, got {type(body).__name__}", custom_id)
     if body.get("stream"):
-        raise ValueError("stream is not supported in a batch")
+        raise BadLine("stream is not supported in a batch", custom_id)
     return custom_id, url, body
-
-
-def _is_json_object(line: str) -> bool:
-    try:
-        return isinstance(json.loads(line), dict)
-    except json.JSONDecodeError:
-        return False
 
 
 def _output(custom_id: str | None, status: int, body: Any, error: str | None) -> dict[str, Any]:
@@ -95,11 +96,9 @@ async def run_lines(app, lines: list[str], *, progress: bool = False) -> list[di
         async def one(line: str) -> dict[str, Any]:
             try:
                 custom_id, url, body = parse_line(line)
-            except ValueError as e:
+            except BadLine as e:
                 bar.update()
-                raw = json.loads(line) if _is_json_object(line) else {}
-                cid = raw.get("custom_id")
-                return _output(cid if isinstance(cid, str) else None, 400, None, str(e))
+                return _output(e.custom_id, 400, None, str(e))
             try:
                 # As JSON the server parses (ASCII escapes: a lone surrogate or NaN is its to refuse).
                 r = await client.post(url, content=json.dumps(body, ensure_ascii=True).encode(),
