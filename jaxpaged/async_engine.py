@@ -217,25 +217,29 @@ class AsyncLLM:
     async def add_requests(self, prompts: list[PromptType], params: SamplingParams | None,
                            request_ids: list[str], check: Callable[[Request], None] | None = None,
                            priority: int = 0, pooling: PoolingParams | None = None,
-                           lora_request: LoRARequest | None = None) -> list[RequestStream]:
+                           lora_request: LoRARequest | None = None, names: list[str] | None = None
+                           ) -> list[RequestStream]:
         """``add_request`` for a batch of prompts, all queued or none: the batch is admitted
         whole when fewer than ``max_waiting_requests`` requests wait as it arrives, and its
         prompts are tokenized on the tokenizer thread, so a long prompt never stalls the
         event loop (other requests' streams) or the engine thread. ``check``, if given, sees
         each validated request there and may raise to refuse the batch. ``pooling``: embedding
         requests (``params`` None; their one output is an ``EmbeddingRequestOutput``).
-        ``lora_request``: the prompts' LoRA adapter (:mod:`jaxpaged.lora`).
+        ``lora_request``: the prompts' LoRA adapter (:mod:`jaxpaged.lora`). ``names``: each
+        prompt's name in errors (default ``prompt``).
 
         Raises: as ``add_request``, and what ``check`` raises.
         """
-        if len(request_ids) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
+        names = ["prompt"] * len(prompts) if names is None else names
+        if len(request_ids) != len(prompts) or len(names) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids and {len(names)} names")
         loop = asyncio.get_running_loop()
         self._check_room(reserve=len(prompts))
 
         def process():
             reqs = [self.llm.inputs.process(p, params, rid, self._streams, priority, pooling=pooling,
-                                            lora_request=lora_request) for p, rid in zip(prompts, request_ids)]
+                                            lora_request=lora_request, what=name)
+                    for p, rid, name in zip(prompts, request_ids, names)]
             for req in reqs if check is not None else ():
                 check(req)
             return reqs

@@ -268,7 +268,7 @@ def run(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.stream:
         for n, (prompt, sp) in enumerate(zip(prompts, params), 1):  # every prompt checked before any runs
-            llm.inputs.check(prompt, sp)
+            llm.inputs.check(prompt, sp, what=f"prompt {n}")
             if sp.n > 1 or sp.use_beam_search:
                 raise ValueError(f"--stream prints one completion a prompt; prompt {n} asks for "
                                  f"{'beam search' if sp.use_beam_search else f'n={sp.n}'}")

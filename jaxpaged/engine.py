@@ -31,7 +31,8 @@ from jaxpaged.dp_attention import DPAttentionRunner
 from jaxpaged.engine_args import EngineArgs, default_block_size
 from jaxpaged.engine_core import EngineCore
 from jaxpaged.generation_config import default_sampling_overrides, for_request
-from jaxpaged.input_processor import RUNNERS, InputProcessor, PromptType, chat_messages, pair_prompts, per_prompt_lora
+from jaxpaged.input_processor import (RUNNERS, InputProcessor, PromptType, chat_messages, pair_prompts, per_prompt_lora,
+                                      prompt_names)
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
 from jaxpaged.loader import LoadedModel, load_model, shard_model
 from jaxpaged.lora import LoRAConfig, LoRAManager, LoRARequest
@@ -320,9 +321,9 @@ class LLM:
             raise ValueError(f"priority must be a list of one int per prompt ({len(pairs)}), got {priority!r}")
         loras = per_prompt_lora(lora_request, len(pairs))
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
-        for (p, sp), prio, lora in zip(pairs, priority, loras):
+        for (p, sp), prio, lora, name in zip(pairs, priority, loras, prompt_names(prompts, "prompts", one="prompt")):
             # auto ids: distinct among themselves
-            reqs.append(self.inputs.process(p, sp, None, self._live(), prio, lora_request=lora))
+            reqs.append(self.inputs.process(p, sp, None, self._live(), prio, lora_request=lora, what=name))
         return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="generate")
 
     def embed(self, prompts: PromptType | Seq[PromptType], pooling_params: PoolingParams | None = None, *,
@@ -335,10 +336,16 @@ class LLM:
         params = pooling_params if pooling_params is not None else PoolingParams()
         if truncate_prompt_tokens is not None and isinstance(params, PoolingParams):  # (others: refused below)
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        # All validated before any is queued: a bad prompt queues nothing.
         pairs = pair_prompts(prompts, None)
-        reqs = [self.inputs.process(p, None, None, self._live(), pooling=params, lora_request=lora)
-                for (p, _), lora in zip(pairs, per_prompt_lora(lora_request, len(pairs)))]
+        return self._embed([p for p, _ in pairs], prompt_names(prompts, "prompts", one="prompt"), params,
+                           per_prompt_lora(lora_request, len(pairs)), use_tqdm)
+
+    def _embed(self, prompts: list[PromptType], names: list[str], params: PoolingParams,
+               loras: list[LoRARequest | None], use_tqdm: bool) -> list[EmbeddingRequestOutput]:
+        """:meth:`embed` of prompts named ``names`` in errors. All are validated before any is
+        queued: a bad prompt queues nothing."""
+        reqs = [self.inputs.process(p, None, None, self._live(), pooling=params, lora_request=lora, what=name)
+                for p, name, lora in zip(prompts, names, loras)]
         return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="embed")
 
     def score(self, data_1: PromptType | Seq[PromptType], data_2: PromptType | Seq[PromptType], *,
@@ -350,8 +357,9 @@ class LLM:
         text is embedded once, all in one batch; the outputs follow ``data_2``."""
         first, second = ([p for p, _ in pair_prompts(d, None)] for d in (data_1, data_2))
         pairs = score_pairs(len(first), len(second))
-        embs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                          lora_request=lora_request)
+        names = prompt_names(data_1, "data_1") + prompt_names(data_2, "data_2")
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        embs = self._embed(first + second, names, params, per_prompt_lora(lora_request, len(names)), use_tqdm)
         a, b = embs[:len(first)], embs[len(first):]
         return [ScoringRequestOutput(f"{a[i].request_id}_{b[j].request_id}",
                                      ScoringOutput(cosine(a[i].outputs.embedding, b[j].outputs.embedding)),

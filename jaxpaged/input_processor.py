@@ -35,12 +35,23 @@ PromptType = str | list[int] | dict[str, Any]
 RUNNERS = ("auto", "generate", "pooling")
 
 
+def is_one_prompt(prompts: PromptType | Sequence[PromptType]) -> bool:
+    """Whether ``prompts`` is one prompt, not a list of them (a 2-D array is a batch of token-id rows)."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
+        isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], (int, np.integer)))
+
+
+def prompt_names(prompts: PromptType | Sequence[PromptType], what: str, one: str | None = None) -> list[str]:
+    """Each prompt's name in errors: ``one`` (default ``what``) for one prompt, ``what[i]`` for the
+    i-th of a list."""
+    return [one or what] if is_one_prompt(prompts) else [f"{what}[{i}]" for i in range(len(prompts))]
+
+
 def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None) -> list[tuple[PromptType, SamplingParams]]:
     """One prompt or a list, with one ``SamplingParams`` for all or one each → pairs."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer))):
-        prompts = [prompts]  # one prompt; a 2-D array is a batch of token-id rows
+    if is_one_prompt(prompts):
+        prompts = [prompts]
     if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, (bytes, bytearray)):
         raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
     prompts = list(prompts)
@@ -183,29 +194,30 @@ class InputProcessor:
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
 
-    def to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def to_token_ids(self, prompt: PromptType, what: str = "prompt") -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of a prompt: a str, a sequence of token ids, or a dict
         with ``"prompt"`` (text) or ``"prompt_token_ids"`` or both (the ids are used, the text
-        goes to the output's ``prompt``, as in vLLM's ``TokensPrompt``)."""
+        goes to the output's ``prompt``, as in vLLM's ``TokensPrompt``). ``what``: the prompt's
+        name in errors (in a batch, which one: ``prompts[3]``)."""
         if isinstance(prompt, dict):
             unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
             if unknown or not prompt:
-                raise ValueError(f"a prompt dict takes 'prompt' and/or 'prompt_token_ids', got keys {unknown}")
+                raise ValueError(f"{what}: a prompt dict takes 'prompt' and/or 'prompt_token_ids', got keys {unknown}")
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
-                raise TypeError(f"prompt dict's 'prompt' must be a str, got {type(text).__name__}")
+                raise TypeError(f"{what} dict's 'prompt' must be a str, got {type(text).__name__}")
             if "prompt_token_ids" not in prompt:
-                return self.to_token_ids(text)
-            return text, self.check_token_ids(prompt["prompt_token_ids"], "'prompt_token_ids'")
+                return self.to_token_ids(text, what)
+            return text, self.check_token_ids(prompt["prompt_token_ids"], f"{what}'s 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ValueError(f"{what} is empty")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as token ids")
+                raise ValueError(f"{what}: this model has no tokenizer; pass prompts as token ids")
             return prompt, encode(self.tokenizer, prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, self.check_token_ids(prompt, "prompt")
-        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+            return None, self.check_token_ids(prompt, what)
+        raise TypeError(f"{what} must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def check_token_ids(self, ids: Any, what: str) -> list[int]:
         """``ids`` as a list of ints, refused unless every one is an int (not a bool, float or
@@ -251,7 +263,7 @@ class InputProcessor:
         if bad:
             raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def check(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0
+    def check(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0, what: str = "prompt"
               ) -> tuple[str | None, list[int], SamplingParams]:
         """``(text or None, token ids, params)`` of a request that the engine can run; no side
         effects (no request id or seed drawn), so a caller can check many before queuing any.
@@ -259,14 +271,14 @@ class InputProcessor:
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
         """
-        return self._check(prompt, params, priority)[:3]
+        return self._check(prompt, params, priority, what)[:3]
 
-    def _check(self, prompt: PromptType, params: SamplingParams | None, priority: int):
+    def _check(self, prompt: PromptType, params: SamplingParams | None, priority: int, what: str):
         """:meth:`check`'s result, and the bad words' token ids (tokenized once a request)."""
         params = self.default_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.to_token_ids(prompt)
+        text, ids = self.to_token_ids(prompt, what)
         if (keep := params.truncate_prompt_tokens) is not None:
             if keep > self.max_model_len:
                 raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={self.max_model_len} "
@@ -276,7 +288,7 @@ class InputProcessor:
                 ids = list(ids[len(ids) - keep:])
                 text = None if text is None or self.tokenizer is None else self.tokenizer.decode(ids)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+            raise ValueError(f"{what} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(the prompt plus at least one generated token must fit)")
         self._check_in_vocab(params.logit_bias or {}, "logit_bias token ids")
         self._check_in_vocab(params.stop_token_ids, "stop_token_ids")
@@ -289,13 +301,14 @@ class InputProcessor:
 
     def process(self, prompt: PromptType, params: SamplingParams | None, request_id: str | None,
                 live: Container[str], priority: int = 0, pooling: PoolingParams | None = None,
-                lora_request: LoRARequest | None = None) -> Request:
+                lora_request: LoRARequest | None = None, what: str = "prompt") -> Request:
         """A validated request (:meth:`check`), not queued yet.
 
         Args:
           live: ids in use; a user id among them is refused, an automatic id skips them.
           pooling: an embedding request's (:mod:`jaxpaged.pooling`; ``params`` are then its own).
           lora_request: its LoRA adapter (:mod:`jaxpaged.lora`), loaded and checked here.
+          what: the prompt's name in errors (in a batch, which one: ``prompts[3]``).
 
         Raises:
           ValueError, TypeError: naming what is wrong with the request.
@@ -311,7 +324,7 @@ class InputProcessor:
                 raise TypeError(f"pooling params must be PoolingParams, got {type(pooling).__name__}")
             pooling.verify(self.hidden_size)
             params = pooling_sampling_params(pooling)
-        text, ids, params, bad_words = self._check(prompt, params, priority)
+        text, ids, params, bad_words = self._check(prompt, params, priority, what)
         lora = None
         if lora_request is not None:
             if self.lora is None:

@@ -470,13 +470,13 @@ class EmbeddingRequest(BaseModel):
                              truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
-def embedding_invalid(e: Exception, prompt_param: str | None = "input") -> APIError:
-    """A 400 for an embedding request the engine refused, ``param`` the field it names (a
-    prompt's: ``prompt_param``)."""
+def embedding_invalid(e: Exception) -> APIError:
+    """A 400 for an embedding request the engine refused, ``param`` the field its message starts
+    with (an input's name, e.g. ``input[2]`` or ``documents[0]``, gives its field)."""
     message = str(e)
-    first = message.split(" ", 1)[0]
-    param = {"prompt": prompt_param, "dimensions": "dimensions", "truncate_prompt_tokens": "truncate_prompt_tokens"}
-    return APIError(400, message, param=param.get(first), code="invalid_value")
+    first = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")
+    fields = {"input", "text_1", "text_2", "query", "documents", "dimensions", "truncate_prompt_tokens"}
+    return APIError(400, message, param=first if first in fields else None, code="invalid_value")
 
 
 def embedding_response(rid: str, model: str, outs: list[EmbeddingRequestOutput], encoding_format: str

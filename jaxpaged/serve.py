@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 
 from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxpaged.chat_template import ChatTemplateError, check_syntax, load_chat_template, template_kwargs
-from jaxpaged.input_processor import chat_messages, encode
+from jaxpaged.input_processor import chat_messages, encode, prompt_names
 from jaxpaged.lora import LoRARequest
 from jaxpaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest, ScoreRequest,
@@ -187,14 +187,14 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                            param=param, code="invalid_value")
 
     async def add(prompts: list, params, request_id: str, body, *, max_tokens_param: str = "max_tokens",
-                  lora: LoRARequest | None = None) -> list[RequestStream]:
+                  lora: LoRARequest | None = None, names: list[str] | None = None) -> list[RequestStream]:
         """Queue every prompt, or none (``body``: the request, for the errors' ``param``; ``lora``:
-        the adapter its ``model`` names)."""
+        the adapter its ``model`` names; ``names``: the prompts' in errors)."""
         default = body.own_max_tokens is None and params.max_tokens is not None  # the generation config's
         try:
             return await engine.add_requests(prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))],
                                              check=functools.partial(fits, param=max_tokens_param, default=default),
-                                             priority=body.priority, lora_request=lora)
+                                             priority=body.priority, lora_request=lora, names=names)
         except (ValueError, TypeError) as e:
             raise invalid(e, body) from None
         except EngineOverloadedError as e:
@@ -222,7 +222,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         rid = f"cmpl-{uuid.uuid4().hex}"
         lora = check_model(body.model)
         model = model_name(lora)
-        streams = await add(body.prompts(), params, rid, body, lora=lora)
+        streams = await add(body.prompts(), params, rid, body, lora=lora, names=prompt_names(body.prompt, "prompt"))
         held = params.output_text_buffer_length
         events = completion_events(engine, rid, model, streams, body, held, decode) if body.stream else None
         return await respond(raw, streams, events, lambda outs: completion_response(rid, model, outs, body, decode))
@@ -353,14 +353,15 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         responses_store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    async def embed(rid: str, inputs: list, body: EmbeddingRequest | ScoreRequest | RerankRequest,
+    async def embed(rid: str, inputs: list, names: list[str], body: EmbeddingRequest | ScoreRequest | RerankRequest,
                     lora: LoRARequest | None) -> list[RequestStream]:
-        """One embedding request per input, all queued or none."""
+        """One embedding request per input, all queued or none (``names``: the inputs' in errors)."""
         try:
             return await engine.add_requests(inputs, None, [f"{rid}-{i}" for i in range(len(inputs))],
-                                             priority=body.priority, pooling=body.pooling_params(), lora_request=lora)
+                                             priority=body.priority, pooling=body.pooling_params(), lora_request=lora,
+                                             names=names)
         except (ValueError, TypeError) as e:
-            raise embedding_invalid(e, "input" if isinstance(body, EmbeddingRequest) else None) from None
+            raise embedding_invalid(e) from None
         except EngineOverloadedError as e:
             raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
 
@@ -369,7 +370,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         """Each input's embedding (:mod:`jaxpaged.pooling`), run beside the generation requests."""
         lora = check_model(body.model)
         rid = f"embd-{uuid.uuid4().hex}"
-        streams = await embed(rid, body.inputs(), body, lora)
+        streams = await embed(rid, body.inputs(), prompt_names(body.input, "input"), body, lora)
         return await respond(raw, streams, None,
                              lambda outs: embedding_response(rid, model_name(lora), outs, body.encoding_format))
 
@@ -380,7 +381,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         lora = check_model(body.model)
         first, second, pairs = body.texts()
         rid = f"score-{uuid.uuid4().hex}"
-        streams = await embed(rid, first + second, body, lora)
+        names = prompt_names(body.text_1, "text_1") + prompt_names(body.text_2, "text_2")
+        streams = await embed(rid, first + second, names, body, lora)
         return await respond(raw, streams, None,
                              lambda outs: score_response(rid, model_name(lora), outs, len(first), pairs))
 
@@ -391,7 +393,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         """vLLM's (Jina's and Cohere's API): the documents by similarity to the query."""
         lora = check_model(body.model)
         rid = f"rerank-{uuid.uuid4().hex}"
-        streams = await embed(rid, body.texts(), body, lora)
+        streams = await embed(rid, body.texts(), ["query"] + prompt_names(body.documents, "documents"), body, lora)
         return await respond(raw, streams, None,
                              lambda outs: rerank_response(rid, model_name(lora), outs, body.documents, body.top_n))
 

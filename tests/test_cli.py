@@ -90,7 +90,7 @@ def test_stream_checks_every_prompt_first(capsys, monkeypatch, tiny_engine_folde
     argv = ["--model", str(tiny_engine_folder), "--stream", "--max-tokens", "6", "--max-model-len", "64"]
     code, out, err = run(capsys, monkeypatch, argv + ["Hi", "word " * 100])
     assert code == 1 and out == ""  # nothing streamed before the bad prompt was found
-    assert "prompt has" in err and "max_model_len is 64" in err
+    assert "prompt 2 has 101 tokens" in err and "max_model_len is 64" in err
     code, out, err = run(capsys, monkeypatch, argv + ["--n", "2", "--temperature", "1", "Hi"])
     assert code == 1 and out == "" and "--stream prints one completion a prompt; prompt 1 asks for n=2" in err
     with pytest.raises(SystemExit):

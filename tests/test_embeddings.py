@@ -3,6 +3,7 @@ hidden state after the final norm, against transformers' ``last_hidden_state`` i
 through the paged engine beside generation requests (chunked, prefix cached, preempted)."""
 
 import base64
+import re
 
 import numpy as np
 import openai
@@ -163,9 +164,10 @@ def test_server_embeddings_match_the_offline_engine(served, tiny_engine_model):
     b64 = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="base64", dimensions=32)
     vec = np.frombuffer(base64.b64decode(b64.data[0].embedding), "<f4")
     want = np.asarray(offline[0].outputs.embedding[:32])
-    np.testing.assert_allclose(vec, want / np.linalg.norm(want), atol=1e-6, rtol=0)
+    # Alone against the offline batch of three: float32 sums in other orders (1.1e-6 seen on an EPYC).
+    np.testing.assert_allclose(vec, want / np.linalg.norm(want), atol=1e-5, rtol=0)
     ids = client.embeddings.create(model=MODEL, input=[offline[1].prompt_token_ids])
-    np.testing.assert_allclose(ids.data[0].embedding, offline[1].outputs.embedding, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(ids.data[0].embedding, offline[1].outputs.embedding, atol=1e-5, rtol=0)
 
 
 def test_server_score_and_rerank_match_the_offline_engine(served, tiny_engine_model):
@@ -190,7 +192,8 @@ def test_server_score_and_rerank_match_the_offline_engine(served, tiny_engine_mo
         np.testing.assert_allclose([x["score"] for x in got["data"]], want, atol=1e-6)
         assert got["usage"]["prompt_tokens"] == got["usage"]["total_tokens"] == tokens
     pairwise = post("/v1/score", {"text_1": docs[:2], "text_2": docs[2:]})
-    np.testing.assert_allclose([x["score"] for x in pairwise["data"]], [d[0] @ d[2], d[1] @ d[3]], atol=1e-6)
+    np.testing.assert_allclose([x["score"] for x in pairwise["data"]], [d[0] @ d[2], d[1] @ d[3]],
+                               atol=1e-5)  # a batch of four against the offline five: float32 sums may differ
     assert pairwise["usage"]["total_tokens"] == sum(len(o.prompt_token_ids) for o in offline[1:])
     order = np.argsort(want)[::-1]
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
@@ -223,6 +226,39 @@ def test_server_refuses_bad_score_and_rerank_requests_naming_the_field(served, p
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert served.llm.bm.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("path,body,param,message", [
+    ("/v1/embeddings", {"input": [[5], [5] * 600]}, "input", r"input\[1\] has 600 tokens; max_model_len is 512"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b", "a" + " hello" * 600]}, "text_2", r"text_2\[1\] has \d+ tokens"),
+    ("/v1/score", {"text_1": "a" + " hello" * 600, "text_2": ["b"]}, "text_1", r"text_1 has \d+ tokens"),
+    ("/v1/rerank", {"query": "a", "documents": ["b", "c", "a" + " hello" * 600]}, "documents",
+     r"documents\[2\] has \d+ tokens"),
+    ("/v1/rerank", {"query": "a" + " hello" * 600, "documents": ["b"]}, "query", r"query has \d+ tokens"),
+])
+def test_server_names_the_text_that_is_too_long(served, path, body, param, message):
+    import httpx
+
+    r = httpx.post(served.url + path, json={"model": MODEL, **body}, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and re.match(message, err["message"]), r.text
+    assert served.llm.bm.stats().num_used_blocks == 0
+
+
+def test_embed_and_score_name_the_prompt_that_is_too_long(qwen):
+    lm, _ = qwen
+    llm = LLM(lm, num_blocks=64, block_size=4, max_model_len=64)
+    long = [5] * 64
+    with pytest.raises(ValueError, match=r"^prompts\[2\] has 64 tokens; max_model_len is 64"):
+        llm.embed([PROMPTS[0], PROMPTS[1], long], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^data_2\[1\] has 64 tokens"):
+        llm.score(PROMPTS[0], [PROMPTS[1], long], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^data_1 has 64 tokens"):
+        llm.score(long, [PROMPTS[1]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt has 64 tokens"):
+        llm.embed(long, use_tqdm=False)
+    assert not llm.has_unfinished_requests() and llm.stats()["num_used_blocks"] == 0
 
 
 @pytest.mark.parametrize("body,param", [({"input": "hi", "dimensions": 10_000}, "dimensions"),

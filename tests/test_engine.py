@@ -596,8 +596,9 @@ def test_bad_prompt_rejected_alone(tiny_engine_model, reference, prompt, match):
     good = llm.add_request(PROMPTS[0], GREEDY)
     with pytest.raises((ValueError, TypeError), match=match):
         llm.add_request(prompt, GREEDY)
-    with pytest.raises((ValueError, TypeError), match=match):  # generate validates before any work
+    with pytest.raises((ValueError, TypeError), match=match.replace("prompt ", "")) as e:  # validated before any work
         llm.generate([PROMPTS[1], prompt], GREEDY, use_tqdm=False)
+    assert str(e.value).startswith("prompts[1]"), e.value  # which prompt of the batch
     finals = {}
     while llm.has_unfinished_requests():
         finals.update({o.request_id: o for o in llm.step() if o.finished})
