@@ -41,6 +41,10 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (``max_waiting_requests``); try again later."""
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine sleeps (``sleep``): requests are refused until ``wake_up``."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine is shut down, or its thread failed; no request can run."""
 
@@ -176,6 +180,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._stats = SchedulerStats(num_blocks=llm.bm.stats().num_blocks)
         self._stopping = False
+        self._sleeping = False  # set by sleep() under _cond: from then on, requests are refused
         self._error: BaseException | None = None
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer")
         # The waiting count goes out once a step is dispatched, not only after it: the
@@ -206,6 +211,7 @@ class AsyncLLM:
         Raises:
           ValueError, TypeError: the request is invalid (nothing is queued).
           EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
+          EngineSleepingError: the engine sleeps (:meth:`sleep`).
           EngineDeadError: the engine is shut down.
         """
         loop = asyncio.get_running_loop()
@@ -273,6 +279,7 @@ class AsyncLLM:
         requests as waiting (on the tokenizer thread) until ``_hand_over``."""
         with self._cond:
             self._check_alive()
+            self._check_awake()
             waiting = self._waiting()
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise EngineOverloadedError(f"the engine is overloaded: {waiting} requests waiting, "
@@ -286,6 +293,7 @@ class AsyncLLM:
         with self._cond:
             self._tokenizing -= reserved
             self._check_alive()
+            self._check_awake()
             for req in reqs:
                 if req.request_id in self._streams:  # taken by another caller meanwhile
                     raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -324,6 +332,45 @@ class AsyncLLM:
         """:meth:`LLM.reset_prefix_cache <jaxpaged.LLM.reset_prefix_cache>` on the engine thread,
         between two steps: False while requests hold blocks."""
         return await self._on_engine_thread(self.llm.reset_prefix_cache)
+
+    async def sleep(self, level: int = 1) -> None:
+        """:meth:`LLM.sleep <jaxpaged.LLM.sleep>` on the engine thread, between two steps: from
+        then on until :meth:`wake_up`, requests are refused (``EngineSleepingError``).
+
+        Raises: as ``LLM.sleep`` (``RuntimeError`` while requests are unfinished or queued).
+        """
+        def sleep_now():
+            with self._cond:  # what is queued after this is refused; what was queued before is unfinished
+                if self._adds:
+                    raise RuntimeError(f"sleep: {len(self._adds)} request(s) are queued; let them finish or abort "
+                                       f"them first")
+                self._sleeping = True
+            try:
+                self.llm.sleep(level)
+            finally:
+                with self._cond:
+                    self._sleeping = self.llm.is_sleeping()
+
+        await self._on_engine_thread(sleep_now)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """:meth:`LLM.wake_up <jaxpaged.LLM.wake_up>` on the engine thread; requests run again
+        once the weights and the KV cache are both back."""
+        def wake_now():
+            try:
+                self.llm.wake_up(tags)
+            finally:
+                with self._cond:
+                    self._sleeping = self.llm.is_sleeping()
+
+        await self._on_engine_thread(wake_now)
+
+    async def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def _check_awake(self) -> None:  # under _cond
+        if self._sleeping:
+            raise EngineSleepingError("the engine is sleeping: wake it up first (wake_up, POST /wake_up)")
 
     async def _on_engine_thread(self, fn: Callable[[], T]) -> T:
         future: concurrent.futures.Future = concurrent.futures.Future()

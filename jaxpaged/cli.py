@@ -90,6 +90,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--max-lora-rank", type=int, default=16, help="most rank of a LoRA adapter (default 16)")
     e.add_argument("--max-cpu-loras", type=int, help="most LoRA adapters kept loaded on the host (default "
                                                       "--max-loras)")
+    e.add_argument("--enable-sleep-mode", action="store_true",
+                   help="vLLM's sleep mode: the server's POST /sleep frees the device memory, POST /wake_up brings "
+                        "it back")
     return e
 
 
@@ -106,7 +109,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_dp_attention=args.enable_dp_attention, speculative_config=args.speculative_config,
                 generation_config=args.generation_config, scheduling_policy=args.scheduling_policy,
                 reasoning_parser=args.reasoning_parser, runner=args.runner, enable_lora=args.enable_lora,
-                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                enable_sleep_mode=args.enable_sleep_mode)
 
 
 def build_parser() -> argparse.ArgumentParser:

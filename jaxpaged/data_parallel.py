@@ -176,5 +176,21 @@ class DataParallelRunner:
     def compiled_shapes(self) -> set[tuple]:
         return set().union(*(r.compiled_shapes for r in self.parts))
 
+    def discard_weights(self) -> None:
+        for r in self.parts:
+            r.discard_weights()
+
+    def load_weights(self, leaves) -> None:
+        for r in self.parts:
+            r.load_weights(leaves)
+
+    def discard_kv(self) -> None:
+        for r in self.parts:
+            r.discard_kv()
+
+    def restore_kv(self) -> None:
+        for r in self.parts:
+            r.restore_kv()
+
     time_batch = _summed("time_batch")
     time_device = _summed("time_device")

@@ -158,6 +158,21 @@ class DPAttentionRunner:
             p.split_decodes = False
         self.devices = [next(iter(p.kv.k.devices())) for p in parts]
         self.mesh = Mesh(np.asarray(self.devices), (AXIS,))
+        graphdef, treedef, specs = self._place_weights(model)
+        self._layout = _HashedOnce((graphdef, treedef, tuple(specs), self.mesh))
+        kv = parts[0].kv.k
+        self.programs: _DPPrograms = PROGRAMS.get(
+            ("dp_step", self._layout, kv.shape, kv.dtype, parts[0].max_blocks_per_seq), _DPPrograms)
+        self._rows = NamedSharding(self.mesh, P(AXIS))
+        self.compiled_shapes: set[tuple] = set()
+        self.time_batch = 0.0
+        self.time_device = 0.0
+
+    def _place_weights(self, model):
+        """The joint step's weights (``self.params``, ``self.head``) from ``model``'s: the MLP
+        split over the devices, the rest the replicas' own copies (``parts[i].params``) as one
+        array. Returns the model's graphdef, treedef and each leaf's partition spec."""
+        n, parts = len(self.parts), self.parts
         graphdef, state = nnx.split(model)
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
         out_in = model.layers[0].out_in
@@ -182,14 +197,27 @@ class DPAttentionRunner:
         head = np.asarray(model.embed[...] if model.lm_head is None else model.lm_head[...].T)  # [V, D]
         self.head = jax.device_put(head, NamedSharding(self.mesh, P(AXIS, None)))
         self.params = tuple(params)
-        self._layout = _HashedOnce((graphdef, treedef, tuple(specs), self.mesh))
-        kv = parts[0].kv.k
-        self.programs: _DPPrograms = PROGRAMS.get(
-            ("dp_step", self._layout, kv.shape, kv.dtype, parts[0].max_blocks_per_seq), _DPPrograms)
-        self._rows = NamedSharding(self.mesh, P(AXIS))
-        self.compiled_shapes: set[tuple] = set()
-        self.time_batch = 0.0
-        self.time_device = 0.0
+        return graphdef, treedef, specs
+
+    # ---- sleep mode (jaxpaged.engine.LLM.sleep) ---------------------------------------
+
+    def discard_weights(self) -> None:
+        for p in self.parts:
+            p.discard_weights()
+        self.params = self.head = None
+
+    def load_weights(self, leaves) -> None:
+        for p in self.parts:
+            p.load_weights(leaves)
+        self._place_weights(nnx.merge(self.parts[0].structure.value[0], self.parts[0].param_state()))
+
+    def discard_kv(self) -> None:
+        for p in self.parts:
+            p.discard_kv()
+
+    def restore_kv(self) -> None:
+        for p in self.parts:
+            p.restore_kv()
 
     def _global_pool(self) -> KVPool:
         """The replicas' pools as one array sharded over the mesh (their buffers, not a copy)."""

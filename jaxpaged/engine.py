@@ -11,6 +11,7 @@ to those calls, the others to ``step()``, whichever of them happens to run the e
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import logging
 import time
@@ -19,7 +20,9 @@ from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.chat_template import template_kwargs
@@ -42,7 +45,7 @@ from jaxpaged.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingReq
                               ScoringOutput, ScoringRequestOutput)
 from jaxpaged.pooling import PoolingParams, cosine, score_pairs
 from jaxpaged.reasoning import ReasoningParser, check_reasoning_parser
-from jaxpaged.runner import ModelRunner
+from jaxpaged.runner import ModelRunner, split_model
 from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.sequence import Request
@@ -136,6 +139,8 @@ class LLM:
       max_loras: most adapters on the device at once (and among the running requests).
       max_lora_rank: most rank of an adapter (device memory per slot follows it).
       max_cpu_loras: most adapters kept loaded on the host (default ``max_loras``).
+      enable_sleep_mode: allow :meth:`sleep` (vLLM's sleep mode): free the engine's device
+        memory between workloads, and :meth:`wake_up` to run again.
     """
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *, dtype=None, block_size: int | None = None,
@@ -148,7 +153,7 @@ class LLM:
                  speculative_config: SpeculativeConfig | dict | None = None, generation_config: str | Path = "auto",
                  scheduling_policy: str = "fcfs", reasoning_parser: str | None = None, runner: str = "auto",
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None):
+                 max_cpu_loras: int | None = None, enable_sleep_mode: bool = False):
         check_reasoning_parser(reasoning_parser)  # a bad name fails before loading
         lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         if lora_config is not None and enable_dp_attention:
@@ -249,6 +254,12 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer)
         self._unclaimed: dict[str, Request] = {}  # changed since step() last returned them
         self._claimed: dict[str, dict[str, Request]] = {}  # generate/stream requests -> their inbox
+        # Sleep mode: what is let go ("weights", "kv_cache"), the weights' host copy (level 1),
+        # and how to load them again (level 2) where the engine loaded them itself.
+        self.enable_sleep_mode = enable_sleep_mode
+        self._asleep: set[str] = set()
+        self._host_weights: list[np.ndarray] | None = None
+        self._weights_source = None if isinstance(model, LoadedModel) else (model, dtype)
 
     # ---- requests and the step ------------------------------------------------------
 
@@ -257,6 +268,96 @@ class LLM:
         later request reuses K/V computed before. False, and nothing forgotten, while requests
         hold blocks: call it between ``generate`` calls (:class:`~jaxpaged.AsyncLLM` has its own)."""
         return self.bm.reset_prefix_cache()
+
+    # ---- sleep mode ------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's device memory until :meth:`wake_up` (vLLM's sleep mode; needs
+        ``enable_sleep_mode=True``), e.g. for a trainer between rollouts. Level 1 copies the
+        weights to host memory and discards the KV cache; level 2 discards both, and
+        :meth:`wake_up` loads the weights from the model's checkpoint again (new weights,
+        where a trainer rewrote it). Cached prefixes are forgotten either way.
+
+        Weights given as a :class:`~jaxpaged.loader.LoadedModel` are the caller's (other
+        engines may run on them): they stay where they are, and only the KV cache goes.
+
+        Raises:
+          ValueError: sleep mode is off, or ``level`` is not 1 or 2.
+          RuntimeError: requests are unfinished (let them finish, or abort them, first).
+        """
+        if not self.enable_sleep_mode:
+            raise ValueError("sleep mode is off: create the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level!r}")
+        if self.core.scheduler.has_unfinished():
+            n = len(self.core.requests)
+            raise RuntimeError(f"sleep: {n} request(s) are unfinished; let them finish or abort them first")
+        while self.core.has_unfinished():
+            self._advance()  # a step launched past the last request's end (async scheduling)
+        if not self.bm.reset_prefix_cache():
+            raise RuntimeError("sleep: blocks are still held though no request is unfinished")
+        if "kv_cache" not in self._asleep:
+            self.runner.discard_kv()
+            self._asleep.add("kv_cache")
+        if "weights" not in self._asleep and self._weights_source is not None:
+            first = self._runners()[0]
+            self._host_weights = list(jax.device_get(first.params)) if level == 1 else None
+            self.runner.discard_weights()
+            self.loaded = dataclasses.replace(self.loaded, model=None)
+            self._asleep.add("weights")
+        gc.collect()  # a model's modules refer to each other: without it, their arrays wait for the next collection
+
+    def wake_up(self, tags: Seq[str] | None = None) -> None:
+        """Undo :meth:`sleep`: ``tags`` ``"weights"``, ``"kv_cache"``, or both (None). Waking
+        the weights first lets a caller free more memory before the pool comes back. Requests
+        run again once both are back.
+
+        Raises:
+          ValueError: an unknown tag.
+          RuntimeError: level 2's checkpoint no longer matches the engine's model.
+        """
+        tags = ("weights", "kv_cache") if tags is None else tuple([tags] if isinstance(tags, str) else tags)
+        bad = [t for t in tags if t not in ("weights", "kv_cache")]
+        if bad:
+            raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {bad}")
+        if "weights" in tags and "weights" in self._asleep:
+            leaves = self._host_weights if self._host_weights is not None else self._reload_weights()
+            self.runner.load_weights(leaves)
+            first = self._runners()[0]
+            self.loaded = dataclasses.replace(self.loaded, model=nnx.merge(first.structure.value[0],
+                                                                           first.param_state()))
+            self._host_weights = None
+            self._asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self._asleep:
+            self.runner.restore_kv()
+            self._asleep.discard("kv_cache")
+
+    def is_sleeping(self) -> bool:
+        """Whether :meth:`sleep` let something go that :meth:`wake_up` has not brought back."""
+        return bool(self._asleep)
+
+    def _runners(self) -> list[ModelRunner]:
+        return list(getattr(self.runner, "parts", [self.runner]))
+
+    def _reload_weights(self) -> list:
+        """The weights of a level-2 sleep, loaded from the model's source again in the engine's
+        layout (checked against the one the engine compiled for)."""
+        source, dtype = self._weights_source
+        first = self._runners()[0]
+        lm = load_model(source, dtype=dtype, attention_backend=self.args.attention_backend,
+                        tensor_parallel_size=self.tensor_parallel_size)
+        structure, leaves = split_model(runtime_form(lm.model))
+        want = [(tuple(s.shape), s.dtype) for s in first._param_specs]
+        got = [(tuple(x.shape), x.dtype) for x in leaves]
+        if structure.value[1] != first.structure.value[1] or got != want:
+            raise RuntimeError(f"wake_up: the checkpoint at {lm.source} no longer has the engine's model's "
+                               f"parameters (their names, shapes or dtypes changed)")
+        return list(leaves)
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep (its {' and '.join(sorted(self._asleep))} let go by sleep()): "
+                               f"call wake_up() first")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters of a request that gives none (vLLM's): jaxpaged's defaults with what
@@ -274,6 +375,7 @@ class LLM:
         ``priority``: lower runs first (needs ``scheduling_policy="priority"``); ``lora_request``:
         its LoRA adapter (needs ``enable_lora=True``)."""
         req = self.inputs.process(prompt, params, request_id, self._live(), priority, lora_request=lora_request)
+        self._check_awake()
         self.core.add(req)
         return req.request_id
 
@@ -371,6 +473,7 @@ class LLM:
         those left unfinished (an exception, ^C) are aborted."""
         from tqdm.auto import tqdm
 
+        self._check_awake()
         inbox: dict[str, Request] = {}
         for r in reqs:
             self.core.add(r)
@@ -493,6 +596,7 @@ class LLM:
         # Processed (its adapter loaded and checked) here too; queued at the first next().
         req = self.inputs.process({"prompt": text, "prompt_token_ids": ids}, params, None, self._live(),
                                   lora_request=lora_request)
+        self._check_awake()
         return self._stream(req)
 
     def _stream(self, req: Request) -> Iterator[str]:

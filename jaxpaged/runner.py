@@ -366,8 +366,9 @@ class ModelRunner:
         # ``device``: the pool's, where the steps run elsewhere (jaxpaged.dp_attention).
         pool_device = device or (next(iter(model.embed[...].devices())) if self.mesh is None
                                  else sharding.pool_sharding(self.mesh))
-        self.kv = init_kv_pool(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype,
-                               device=pool_device)
+        self._pool_geometry = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, self.dtype)
+        self._pool_device = pool_device
+        self.kv = init_kv_pool(*self._pool_geometry, device=pool_device)
         # On CPU, in huge pages: the attention's gathers read scattered 16 KB tiles of it, and a
         # step updates the donated pool in place, so the pages last (jaxpaged.hugepages). The new
         # pool is zeros: its pages are dropped, and come back huge as steps write them.
@@ -448,6 +449,28 @@ class ModelRunner:
         v = np.zeros_like(k)
         k[:, :n], v[:, :n] = hk[:, host_blocks], hv[:, host_blocks]
         self.kv = self.programs.scatter(self.kv, ids, (k, v))
+
+    # ---- sleep mode (jaxpaged.engine.LLM.sleep) ---------------------------------------
+
+    def discard_weights(self) -> None:
+        """Let go of the weights (the engine keeps a host copy, or reloads them)."""
+        self._param_shardings = tuple(a.sharding for a in self.params)
+        self._param_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.params)
+        self.params = None
+
+    def load_weights(self, leaves) -> None:
+        """Weights back from host ``leaves`` (this runner's order), laid out as they were."""
+        self.params = tuple(jax.device_put(x, s) for x, s in zip(leaves, self._param_shardings, strict=True))
+
+    def discard_kv(self) -> None:
+        """Let go of the KV pool and the swap space (no request holds a block)."""
+        self.kv = None
+        self.host_k = self.host_v = None
+
+    def restore_kv(self) -> None:
+        """A new, zeroed pool as the first one was made."""
+        self.kv = init_kv_pool(*self._pool_geometry, device=self._pool_device)
+        hugepages.collapse(self.kv, zeros=True)
 
     def param_state(self) -> nnx.State:
         """The model's parameters as the nnx state (``self.params`` holds its leaves)."""

@@ -28,12 +28,13 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from jaxpaged.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxpaged.async_engine import (AsyncLLM, EngineDeadError, EngineOverloadedError, EngineSleepingError,
+                                   RequestStream)
 from jaxpaged.chat_template import ChatTemplateError, check_syntax, load_chat_template, template_kwargs
 from jaxpaged.input_processor import chat_messages, encode, prompt_names
 from jaxpaged.lora import LoRARequest
@@ -74,7 +75,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     ``"token_id:<id>"`` unless a request says otherwise (vLLM's). ``lora_modules``: LoRA adapters
     served by their names beside the base model (a request's ``model`` picks one; the engine
     must have ``enable_lora``), as vLLM's ``--lora-modules``; ``allow_runtime_lora_updating``: vLLM's
-    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change them while the server runs."""
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change them while the server runs.
+    An engine with ``enable_sleep_mode`` has vLLM's ``POST /sleep?level=1``, ``POST /wake_up``
+    (``?tags=weights``, ``?tags=kv_cache``: one of them) and ``GET /is_sleeping``; requests
+    while it sleeps get a 503."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     if responses_store_size < 0:
@@ -127,8 +131,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.middleware("http")
     async def _authenticate(request: Request, call_next):
-        # vLLM's guard covers /v1; the score and rerank aliases outside it run the model too.
-        if api_key is not None and request.url.path.startswith(("/v1", "/v2", "/score", "/rerank")):
+        # vLLM's guard covers /v1; the score and rerank aliases outside it run the model too, and
+        # sleep mode's endpoints free and reload it.
+        if api_key is not None and request.url.path.startswith(("/v1", "/v2", "/score", "/rerank", "/sleep",
+                                                                  "/wake_up")):
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
                 return error(APIError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
@@ -197,8 +203,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                              priority=body.priority, lora_request=lora, names=names)
         except (ValueError, TypeError) as e:
             raise invalid(e, body) from None
-        except EngineOverloadedError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
+        except (EngineOverloadedError, EngineSleepingError) as e:
+            raise unavailable(e) from None
 
     async def respond(raw: Request, streams: list[RequestStream], events: AsyncIterator[str] | None, finish):
         """Stream ``events`` as SSE, or await the final outputs and return ``finish(outputs)``."""
@@ -362,8 +368,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                              names=names)
         except (ValueError, TypeError) as e:
             raise embedding_invalid(e) from None
-        except EngineOverloadedError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
+        except (EngineOverloadedError, EngineSleepingError) as e:
+            raise unavailable(e) from None
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
@@ -468,12 +474,42 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             return error(APIError(503, "the engine is not running", type="server_error", code="engine_dead"))
         return Response(status_code=200)
 
+    if engine.llm.enable_sleep_mode:
+        @app.post("/sleep")
+        async def sleep(level: int = 1):
+            """vLLM's: free the device memory (:meth:`jaxpaged.LLM.sleep`); a 409 while requests run."""
+            try:
+                await engine.sleep(level)
+            except ValueError as e:
+                raise APIError(400, str(e), param="level", code="invalid_value") from None
+            except RuntimeError as e:
+                raise APIError(409, str(e), code="requests_unfinished") from None
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(tags: list[str] | None = Query(None)):
+            try:
+                await engine.wake_up(tags)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tags", code="invalid_value") from None
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping():
+            return {"is_sleeping": await engine.is_sleeping()}
+
     @app.get("/metrics")
     async def prometheus():
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
     return app
+
+
+def unavailable(e: EngineOverloadedError | EngineSleepingError) -> APIError:
+    """The 503 of a request the engine cannot take now (its queue is full, or it sleeps)."""
+    code = "engine_sleeping" if isinstance(e, EngineSleepingError) else "engine_overloaded"
+    return APIError(503, str(e), type="server_error", code=code)
 
 
 class _EngineStream(StreamingResponse):

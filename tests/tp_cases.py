@@ -392,3 +392,17 @@ def test_lora_on_two_devices_gives_one_devices_tokens(tiny, engines, tmp_path):
     base = engines[1][1][0]
     assert want[0].outputs[0].token_ids != base[0].outputs[0].token_ids  # the adapter changes the tokens
     assert_same_outputs([want[1], want[3]], [base[1], base[3]])
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_up_keep_the_shards(tiny, engines, level):
+    """Sleep mode on two devices: the weights and the pool let go, back sharded as they were
+    (level 2 loads the checkpoint again), and the same tokens as before."""
+    llm = LLM(tiny, tensor_parallel_size=2, enable_sleep_mode=True, **ENGINE)
+    layout = [a.sharding for a in llm.runner.params], llm.runner.kv.k.sharding
+    llm.sleep(level)
+    assert llm.runner.params is None and llm.runner.kv is None
+    llm.wake_up()
+    assert ([a.sharding for a in llm.runner.params], llm.runner.kv.k.sharding) == layout
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in engines[2][1][0]]

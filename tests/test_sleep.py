@@ -1,0 +1,176 @@
+"""Sleep mode (vLLM's ``LLM.sleep`` / ``wake_up``, the server's ``/sleep``, ``/wake_up``,
+``/is_sleeping``): the engine lets go of its weights and KV pool, refuses requests meanwhile,
+and wakes up giving the tokens it gave before (level 1) or those of the checkpoint as it is
+now (level 2). Two replicas, dp-attention and tensor parallelism: ``dp_cases.py``, ``tp_cases.py``."""
+
+import gc
+import shutil
+
+import httpx
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from test_server import AUTH, Running
+
+from jaxpaged import LLM, SamplingParams
+
+ENGINE = dict(max_num_seqs=8, num_blocks=64, block_size=8, enable_sleep_mode=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [9, 10, 11], "The paged cache of blocks"]
+PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+          SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True),
+          SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)]
+
+
+def tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def live_bytes() -> int:
+    gc.collect()
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_lets_go_of_weights_and_pool_and_wake_up_gives_the_same_tokens(tiny_engine_folder, level):
+    llm = LLM(tiny_engine_folder, **ENGINE)
+    before = tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    engine_bytes = sum(a.nbytes for a in llm.runner.params) + llm.runner.kv.k.nbytes + llm.runner.kv.v.nbytes
+    held = live_bytes()
+    llm.sleep(level)
+    assert llm.is_sleeping() and held - live_bytes() >= engine_bytes  # every array of the engine's is gone
+    for tags in (["weights"], ["kv_cache"]):  # the weights first, then the pool
+        with pytest.raises(RuntimeError, match=r"the engine is asleep .*call wake_up\(\) first"):
+            llm.generate(PROMPTS[0], PARAMS[0], use_tqdm=False)
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.add_request(PROMPTS[0], PARAMS[0])
+        llm.wake_up(tags)
+    assert not llm.is_sleeping() and not llm.has_unfinished_requests()
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert tokens(outs) == before
+    assert all(o.num_cached_tokens == 0 for o in outs)  # the cached prefixes were forgotten with the pool
+    assert llm.loaded.model is not None and llm.stats()["num_used_blocks"] == 0
+    llm.wake_up()  # awake already: nothing to do
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == before
+
+
+def test_level_2_wakes_up_with_the_checkpoint_as_it_is_now(tiny_engine_folder, tmp_path):
+    """A trainer's loop: sleep, rewrite the checkpoint, wake up on the new weights."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_engine_folder, folder)
+    llm = LLM(folder, **ENGINE)
+    old = tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    llm.sleep(2)
+    weights = load_file(folder / "model.safetensors")
+    rng = np.random.default_rng(0)
+    weights = {k: (v + rng.normal(0, 0.3, v.shape)).astype(v.dtype) for k, v in weights.items()}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    llm.wake_up()
+    new = tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    assert new == tokens(LLM(folder, **ENGINE).generate(PROMPTS, PARAMS, use_tqdm=False)) and new != old
+    llm.sleep(2)
+    save_file({k: v[..., :-1] if k.endswith("norm.weight") else v for k, v in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match="norm"):  # the checkpoint is not the model's any more
+        llm.wake_up()
+    assert llm.is_sleeping()
+
+
+def test_weights_given_as_a_loaded_model_stay_with_their_owner(tiny_engine_model):
+    """Engines over the same LoadedModel share its weights: sleep frees one engine's pool only."""
+    a, b = LLM(tiny_engine_model, **ENGINE), LLM(tiny_engine_model, **ENGINE)
+    before = tokens(a.generate(PROMPTS, PARAMS, use_tqdm=False))
+    a.sleep(2)
+    assert a.runner.kv is None and a.runner.params is not None
+    assert tokens(b.generate(PROMPTS, PARAMS, use_tqdm=False)) == before  # the other engine runs on
+    a.wake_up()
+    assert tokens(a.generate(PROMPTS, PARAMS, use_tqdm=False)) == before
+
+
+def test_sleep_is_refused_while_requests_run_and_needs_sleep_mode(tiny_engine_model):
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        LLM(tiny_engine_model, num_blocks=16).sleep()
+    llm = LLM(tiny_engine_model, **ENGINE)
+    for level in (0, 3, True, "1"):
+        with pytest.raises(ValueError, match="sleep level must be 1"):
+            llm.sleep(level)
+    rid = llm.add_request(PROMPTS[0], PARAMS[0])
+    llm.step()
+    with pytest.raises(RuntimeError, match=r"1 request\(s\) are unfinished"):
+        llm.sleep()
+    assert not llm.is_sleeping()
+    done = {}
+    while llm.has_unfinished_requests():  # the request runs on, untouched
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert tokens([done[rid]]) == tokens(LLM(tiny_engine_model, **ENGINE).generate(PROMPTS[0], PARAMS[0],
+                                                                                  use_tqdm=False))
+    with pytest.raises(ValueError, match=r"tags must be 'weights' and/or 'kv_cache', got \['kv'\]"):
+        llm.wake_up(["kv"])
+    llm.sleep()
+    llm.wake_up("kv_cache")
+    assert not llm.is_sleeping()  # the weights were the caller's: never let go
+
+
+def test_server_sleeps_refuses_requests_and_wakes_up(tiny_engine_folder):
+    srv = Running(LLM(tiny_engine_folder, **ENGINE))
+    try:
+        def post(path, **kw):
+            return httpx.post(srv.url + path, headers=AUTH, timeout=60, **kw)
+
+        def complete():
+            return post("/v1/completions", json={"model": "tiny-llama", "prompt": "The paged cache", "max_tokens": 8,
+                                                 "temperature": 0})
+
+        before = complete().json()["choices"][0]["text"]
+        assert httpx.post(srv.url + "/sleep", timeout=60).status_code == 401  # the API key guards it
+        assert post("/sleep", params={"level": 3}).status_code == 400
+        assert post("/sleep", params={"level": 2}).status_code == 200
+        assert httpx.get(srv.url + "/is_sleeping").json() == {"is_sleeping": True}
+        r = complete()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping", r.text
+        assert post("/wake_up", params={"tags": "weights"}).status_code == 200
+        assert httpx.get(srv.url + "/is_sleeping").json() == {"is_sleeping": True}
+        assert post("/wake_up", params={"tags": "pool"}).status_code == 400
+        assert post("/wake_up").status_code == 200
+        assert httpx.get(srv.url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert complete().json()["choices"][0]["text"] == before
+    finally:
+        srv.stop()
+
+
+def test_the_server_has_no_sleep_endpoints_without_sleep_mode(tiny_engine_model):
+    srv = Running(LLM(tiny_engine_model, num_blocks=16, block_size=8))
+    try:
+        assert httpx.post(srv.url + "/sleep", headers=AUTH, timeout=60).status_code == 404
+        assert httpx.get(srv.url + "/is_sleeping", timeout=60).status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_async_engine_refuses_to_sleep_under_a_queued_request_and_runs_it(tiny_engine_model):
+    import asyncio
+
+    from jaxpaged.async_engine import AsyncLLM, EngineSleepingError
+
+    llm = LLM(tiny_engine_model, **ENGINE)
+    want = tokens(LLM(tiny_engine_model, **ENGINE).generate(PROMPTS[0], PARAMS[0], use_tqdm=False))
+    engine = AsyncLLM(llm)
+
+    async def main():
+        stream = engine.add_request(PROMPTS[0], PARAMS[0])  # queued for the engine thread, or running
+        with pytest.raises(RuntimeError, match=r"request\(s\) are (queued|unfinished)"):
+            await engine.sleep()
+        assert not await engine.is_sleeping()
+        async with stream:
+            outs = [o async for o in stream]
+        await engine.sleep(1)
+        with pytest.raises(EngineSleepingError, match="the engine is sleeping"):
+            engine.add_request(PROMPTS[1], PARAMS[0])
+        await engine.wake_up()
+        return outs[-1]
+
+    try:
+        last = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert tokens([last]) == want and llm.bm.stats().num_used_blocks == 0
