@@ -16,7 +16,7 @@ import inspect
 import logging
 import time
 from collections import ChainMap
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from jaxpaged.generation_config import default_sampling_overrides, for_request
 from jaxpaged.input_processor import (RUNNERS, InputProcessor, PromptType, chat_messages, pair_prompts, per_prompt_lora,
                                       prompt_names)
 from jaxpaged.kv_cache import kv_pool_bytes, resolve_kv_cache_dtype
-from jaxpaged.loader import LoadedModel, load_model, shard_model
+from jaxpaged.loader import LoadedModel, assemble_model, load_model, shard_model, stream_params
 from jaxpaged.lora import LoRAConfig, LoRAManager, LoRARequest
 from jaxpaged.model import runtime_form
 from jaxpaged.output_processor import OutputProcessor
@@ -260,6 +260,7 @@ class LLM:
         self._asleep: set[str] = set()
         self._host_weights: list[np.ndarray] | None = None
         self._weights_source = None if isinstance(model, LoadedModel) else (model, dtype)
+        self._weights_dtype = lm.model.dtype
 
     # ---- requests and the step ------------------------------------------------------
 
@@ -321,13 +322,7 @@ class LLM:
         if bad:
             raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {bad}")
         if "weights" in tags and "weights" in self._asleep:
-            leaves = self._host_weights if self._host_weights is not None else self._reload_weights()
-            self.runner.load_weights(leaves)
-            first = self._runners()[0]
-            self.loaded = dataclasses.replace(self.loaded, model=nnx.merge(first.structure.value[0],
-                                                                           first.param_state()))
-            self._host_weights = None
-            self._asleep.discard("weights")
+            self._load_weights(self._host_weights if self._host_weights is not None else self._reload_weights())
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self.runner.restore_kv()
             self._asleep.discard("kv_cache")
@@ -339,20 +334,63 @@ class LLM:
     def _runners(self) -> list[ModelRunner]:
         return list(getattr(self.runner, "parts", [self.runner]))
 
-    def _reload_weights(self) -> list:
-        """The weights of a level-2 sleep, loaded from the model's source again in the engine's
-        layout (checked against the one the engine compiled for)."""
-        source, dtype = self._weights_source
+    def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Replace the model's weights in memory, e.g. with a trainer's after a step (vLLM's
+        ``load_weights`` through ``collective_rpc``): every tensor of the model's checkpoint, by
+        its Hugging Face name (``model.layers.0.self_attn.q_proj.weight``, ...), as numpy or jax
+        arrays, a mapping or ``(name, array)`` pairs. Cached prefixes are forgotten (their K/V
+        came from the old weights). While the engine sleeps (:meth:`sleep`) the weights come
+        back with the new values, and :meth:`wake_up` then brings the KV cache back.
+
+        Engines over the same :class:`~jaxpaged.loader.LoadedModel` keep the weights they had:
+        this engine's are new arrays. Peak memory: about twice the model's while it converts.
+
+        Raises:
+          CheckpointError: a tensor is missing, unknown or of the wrong shape (named; the
+            engine keeps its weights).
+          RuntimeError: requests are unfinished.
+        """
+        if self.core.scheduler.has_unfinished():
+            n = len(self.core.requests)
+            raise RuntimeError(f"update_weights: {n} request(s) are unfinished; let them finish or abort them first")
+        pairs = [(str(k), np.asarray(v)) for k, v in (weights.items() if isinstance(weights, Mapping) else weights)]
         first = self._runners()[0]
-        lm = load_model(source, dtype=dtype, attention_backend=self.args.attention_backend,
-                        tensor_parallel_size=self.tensor_parallel_size)
-        structure, leaves = split_model(runtime_form(lm.model))
-        want = [(tuple(s.shape), s.dtype) for s in first._param_specs]
+        params = stream_params(self.config, {k: v.shape for k, v in pairs}, pairs, "update_weights",
+                               dtype=self._weights_dtype, mesh=first.mesh)
+        model = assemble_model(self.config, params, dtype=self._weights_dtype,
+                               attention_backend=self.args.attention_backend, mesh=first.mesh)
+        leaves = self._leaves_for(model, "update_weights: the weights given")
+        while self.core.has_unfinished():
+            self._advance()  # a step launched past the last request's end (async scheduling)
+        self.bm.reset_prefix_cache()
+        self._load_weights(leaves)
+
+    def _load_weights(self, leaves: list) -> None:
+        """Every runner's weights from ``leaves`` (the first runner's order); the engine awake
+        as far as its weights go."""
+        self.runner.load_weights(leaves)
+        first = self._runners()[0]
+        self.loaded = dataclasses.replace(self.loaded, model=nnx.merge(first.structure.value[0], first.param_state()))
+        self._host_weights = None
+        self._asleep.discard("weights")
+
+    def _leaves_for(self, model, what: str) -> list:
+        """``model``'s arrays in the engine's layout, checked against the ones it compiled for."""
+        first = self._runners()[0]
+        structure, leaves = split_model(runtime_form(model))
+        want = [(tuple(s.shape), s.dtype) for s in (first._param_specs if first.params is None else first.params)]
         got = [(tuple(x.shape), x.dtype) for x in leaves]
         if structure.value[1] != first.structure.value[1] or got != want:
-            raise RuntimeError(f"wake_up: the checkpoint at {lm.source} no longer has the engine's model's "
-                               f"parameters (their names, shapes or dtypes changed)")
+            raise RuntimeError(f"{what} are not the engine's model's parameters (their names, shapes or dtypes "
+                               f"differ)")
         return list(leaves)
+
+    def _reload_weights(self) -> list:
+        """The weights of a level-2 sleep, loaded from the model's source again."""
+        source, dtype = self._weights_source
+        lm = load_model(source, dtype=dtype, attention_backend=self.args.attention_backend,
+                        tensor_parallel_size=self.tensor_parallel_size)
+        return self._leaves_for(lm.model, f"wake_up: the checkpoint at {lm.source}")
 
     def _check_awake(self) -> None:
         if self._asleep:

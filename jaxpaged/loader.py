@@ -242,7 +242,7 @@ def _write_layer(stacked: jax.Array, x: jax.Array, i: int) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(stacked, x, i, 0)
 
 
-def _assemble(cfg: LlamaConfig, params: dict, *, dtype, attention_backend: str, mesh: Mesh | None) -> Llama:
+def assemble_model(cfg: LlamaConfig, params: dict, *, dtype, attention_backend: str, mesh: Mesh | None) -> Llama:
     """:class:`Llama` holding ``params`` (already on the device(s) in ``dtype``), without random init."""
     abstract = nnx.eval_shape(
         lambda: Llama(cfg, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=nnx.Rngs(0)))
@@ -262,7 +262,7 @@ def build_model(cfg: LlamaConfig, params: dict, *, dtype=jnp.float32, attention_
         params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
     else:
         params = sharding.shard_params(params, cfg, mesh, dtype)
-    return _assemble(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
+    return assemble_model(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh)
 
 
 def shard_model(model: Llama, tensor_parallel_size: int) -> Llama:
@@ -520,5 +520,5 @@ def load_model(
         mesh = sharding.make_mesh(tensor_parallel_size, cfg)
     else:
         raise ValueError(f"{path}: not a model folder or a .gguf file")
-    return LoadedModel(_assemble(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh),
+    return LoadedModel(assemble_model(cfg, params, dtype=dtype, attention_backend=attention_backend, mesh=mesh),
                        tokenizer, cfg, path)

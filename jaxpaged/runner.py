@@ -459,8 +459,10 @@ class ModelRunner:
         self.params = None
 
     def load_weights(self, leaves) -> None:
-        """Weights back from host ``leaves`` (this runner's order), laid out as they were."""
-        self.params = tuple(jax.device_put(x, s) for x, s in zip(leaves, self._param_shardings, strict=True))
+        """Weights from ``leaves`` (host or device arrays in this runner's order), laid out as
+        the runner's are (or were, before :meth:`discard_weights`)."""
+        shardings = self._param_shardings if self.params is None else tuple(a.sharding for a in self.params)
+        self.params = tuple(jax.device_put(x, s) for x, s in zip(leaves, shardings, strict=True))
 
     def discard_kv(self) -> None:
         """Let go of the KV pool and the swap space (no request holds a block)."""

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 import traffic
+from safetensors.numpy import load_file
 from test_engine_traffic import alone_engine, assert_same_as_alone, preemption_bound
 
 from jaxpaged import LLM, SamplingParams
@@ -269,4 +270,9 @@ def test_sleep_and_wake_up_on_two_replicas(model, dp_attention):
             assert {d for a in (*r.params, r.kv.k, r.kv.v) for d in a.devices()} == {device}
         after = llm.generate(prompts[:6], params[:6], use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in after] == before
+    llm.update_weights(load_file(os.path.join(os.environ["JAXPAGED_DP_TINY"], "model.safetensors")))  # the same
+    for r, device in zip(llm.runner.parts, jax.devices()[:2]):
+        assert {d for a in r.params for d in a.devices()} == {device}
+    after = llm.generate(prompts[:6], params[:6], use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in after] == before
     assert llm.stats()["num_used_blocks"] == 0

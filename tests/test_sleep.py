@@ -174,3 +174,53 @@ def test_async_engine_refuses_to_sleep_under_a_queued_request_and_runs_it(tiny_e
     finally:
         engine.shutdown()
     assert tokens([last]) == want and llm.bm.stats().num_used_blocks == 0
+
+
+def perturbed(folder, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: (v + rng.normal(0, 0.3, v.shape)).astype(v.dtype)
+            for k, v in load_file(folder / "model.safetensors").items()}
+
+
+def test_update_weights_gives_the_new_checkpoints_tokens(tiny_engine_folder, tiny_engine_model, tmp_path):
+    """A trainer's weights handed over in memory: the tokens of an engine loaded from them, the
+    prefix cache forgotten; an engine over the same LoadedModel keeps the old weights; a bad set
+    is refused, naming the tensor, with the weights left as they were."""
+    new = perturbed(tiny_engine_folder)
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_engine_folder, folder)
+    save_file(new, folder / "model.safetensors", metadata={"format": "pt"})
+    want = tokens(LLM(folder, **ENGINE).generate(PROMPTS, PARAMS, use_tqdm=False))
+    llm, other = LLM(tiny_engine_model, **ENGINE), LLM(tiny_engine_model, **ENGINE)
+    old = tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    llm.update_weights(new)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert tokens(outs) == want != old and all(o.num_cached_tokens == 0 for o in outs)
+    assert tokens(other.generate(PROMPTS, PARAMS, use_tqdm=False)) == old  # the LoadedModel's own are untouched
+    name = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=r"update_weights: missing tensor model\.layers\.\{1\}\.mlp\.down_proj"):
+        llm.update_weights({k: v for k, v in new.items() if k != name})
+    with pytest.raises(ValueError, match=name):
+        llm.update_weights({**new, name: new[name][:, :-1]})
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == want  # the refused sets changed nothing
+    llm.update_weights([(k, jax.numpy.asarray(v)) for k, v in load_file(tiny_engine_folder / "model.safetensors")
+                        .items()])  # (name, jax array) pairs: the original weights again
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == old
+
+
+def test_update_weights_while_asleep_and_refused_under_requests(tiny_engine_folder, tmp_path):
+    """The RL loop without a checkpoint: sleep(2), new weights in memory, wake_up."""
+    new = perturbed(tiny_engine_folder, seed=1)
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_engine_folder, folder)
+    save_file(new, folder / "model.safetensors", metadata={"format": "pt"})
+    want = tokens(LLM(folder, **ENGINE).generate(PROMPTS, PARAMS, use_tqdm=False))
+    llm = LLM(tiny_engine_folder, **ENGINE)
+    llm.sleep(2)
+    llm.update_weights(new)
+    assert llm.is_sleeping()  # the KV cache is still let go
+    llm.wake_up()
+    assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == want
+    llm.add_request(PROMPTS[0], PARAMS[0])
+    with pytest.raises(RuntimeError, match=r"update_weights: 1 request\(s\) are unfinished"):
+        llm.update_weights(new)

@@ -15,6 +15,7 @@ import pytest
 from conftest import make_tiny_tp_hf
 from flax import nnx
 from paged import jit_forward, step_metadata
+from safetensors.numpy import load_file
 
 import jaxpaged.runner
 from jaxpaged import LLM, SamplingParams, sharding
@@ -404,5 +405,8 @@ def test_sleep_and_wake_up_keep_the_shards(tiny, engines, level):
     assert llm.runner.params is None and llm.runner.kv is None
     llm.wake_up()
     assert ([a.sharding for a in llm.runner.params], llm.runner.kv.k.sharding) == layout
-    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in engines[2][1][0]]
+    want = [o.outputs[0].token_ids for o in engines[2][1][0]]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    llm.update_weights(load_file(os.path.join(tiny, "model.safetensors")))  # the same weights, in memory
+    assert ([a.sharding for a in llm.runner.params], llm.runner.kv.k.sharding) == layout
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
