@@ -368,6 +368,11 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return self._sleeping
 
+    async def update_weights(self, weights) -> None:
+        """:meth:`LLM.update_weights <jaxpaged.LLM.update_weights>` on the engine thread,
+        between two steps (``RuntimeError`` while requests are unfinished)."""
+        await self._on_engine_thread(lambda: self.llm.update_weights(weights))
+
     def _check_awake(self) -> None:  # under _cond
         if self._sleeping:
             raise EngineSleepingError("the engine is sleeping: wake it up first (wake_up, POST /wake_up)")

@@ -167,6 +167,9 @@ def test_async_engine_refuses_to_sleep_under_a_queued_request_and_runs_it(tiny_e
         with pytest.raises(EngineSleepingError, match="the engine is sleeping"):
             engine.add_request(PROMPTS[1], PARAMS[0])
         await engine.wake_up()
+        await engine.update_weights(load_file(tiny_engine_model.source / "model.safetensors"))  # the same ones
+        async with engine.add_request(PROMPTS[0], PARAMS[0]) as again:
+            assert tokens([[o async for o in again][-1]]) == want
         return outs[-1]
 
     try:
