@@ -180,7 +180,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._stats = SchedulerStats(num_blocks=llm.bm.stats().num_blocks)
         self._stopping = False
-        self._sleeping = False  # set by sleep() under _cond: from then on, requests are refused
+        self._sleeping = llm.is_sleeping()  # set by sleep() under _cond: from then on, requests are refused
         self._error: BaseException | None = None
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer")
         # The waiting count goes out once a step is dispatched, not only after it: the
@@ -344,6 +344,7 @@ class AsyncLLM:
                 if self._adds:
                     raise RuntimeError(f"sleep: {len(self._adds)} request(s) are queued; let them finish or abort "
                                        f"them first")
+                self.llm.check_can_sleep(level)  # before the flag: a sleep refused never refuses requests
                 self._sleeping = True
             try:
                 self.llm.sleep(level)
@@ -427,6 +428,11 @@ class AsyncLLM:
                     calls, self._calls = self._calls, []
                     self._stats = dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + len(adds))
                 for req, stream in adds:  # before the aborts: an abort may name a request just added
+                    if self.llm.is_sleeping():  # (the hand-over refuses these; an LLM put to sleep directly)
+                        with self._cond:
+                            self._streams.pop(req.request_id, None)
+                        _deliver_threadsafe(stream.loop, [(stream, EngineSleepingError("the engine is sleeping"))])
+                        continue
                     try:
                         core.add(req)
                     except ValueError as e:  # InputProcessor checked it; only a bug lands here

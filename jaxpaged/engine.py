@@ -173,6 +173,9 @@ class LLM:
         if enable_dp_attention and replica_devices[0].platform != "cpu":
             raise ValueError(f"enable_dp_attention runs on CPU devices only, not {replica_devices[0].platform}")
         overrides = default_sampling_overrides(generation_config, _source(model))  # a bad one fails before loading
+        if isinstance(model, LoadedModel) and model.model is None:
+            raise ValueError("this LoadedModel's weights were let go by its engine's sleep(): wake that engine up "
+                             "first")
         if isinstance(model, LoadedModel):
             # Sharded, then in the form it runs in (shared by engines over the same model).
             lm = dataclasses.replace(model, model=runtime_form(shard_model(model.model, tensor_parallel_size)))
@@ -259,7 +262,8 @@ class LLM:
         self.enable_sleep_mode = enable_sleep_mode
         self._asleep: set[str] = set()
         self._host_weights: list[np.ndarray] | None = None
-        self._weights_source = None if isinstance(model, LoadedModel) else (model, dtype)
+        self._weights_source = None if isinstance(model, LoadedModel) else (
+            None if model is None else Path(model).expanduser().resolve(), dtype)  # (the cwd may change)
         self._weights_dtype = lm.model.dtype
 
     # ---- requests and the step ------------------------------------------------------
@@ -286,6 +290,27 @@ class LLM:
           ValueError: sleep mode is off, or ``level`` is not 1 or 2.
           RuntimeError: requests are unfinished (let them finish, or abort them, first).
         """
+        self.check_can_sleep(level)
+        while self.core.has_unfinished():
+            self._advance()  # a step launched past the last request's end (async scheduling)
+        let_go = "weights" not in self._asleep and self._weights_source is not None
+        if let_go and level == 1:  # first: where it fails (arrays on other hosts), nothing is let go yet
+            self._host_weights = list(jax.device_get(self._runners()[0].params))
+        if not self.bm.reset_prefix_cache():
+            raise RuntimeError("sleep: blocks are still held though no request is unfinished")
+        if "kv_cache" not in self._asleep:
+            self.runner.discard_kv()
+            self._asleep.add("kv_cache")
+        if let_go:
+            self.runner.discard_weights()
+            self.loaded = dataclasses.replace(self.loaded, model=None)
+            self._asleep.add("weights")
+        if level == 2:  # (after a level-1 sleep too: the weights come from the checkpoint)
+            self._host_weights = None
+        gc.collect()  # a model's modules refer to each other: without it, their arrays wait for the next collection
+
+    def check_can_sleep(self, level: int) -> None:
+        """Raise as :meth:`sleep` would before letting anything go."""
         if not self.enable_sleep_mode:
             raise ValueError("sleep mode is off: create the engine with enable_sleep_mode=True (--enable-sleep-mode)")
         if level not in (1, 2) or isinstance(level, bool):
@@ -293,20 +318,6 @@ class LLM:
         if self.core.scheduler.has_unfinished():
             n = len(self.core.requests)
             raise RuntimeError(f"sleep: {n} request(s) are unfinished; let them finish or abort them first")
-        while self.core.has_unfinished():
-            self._advance()  # a step launched past the last request's end (async scheduling)
-        if not self.bm.reset_prefix_cache():
-            raise RuntimeError("sleep: blocks are still held though no request is unfinished")
-        if "kv_cache" not in self._asleep:
-            self.runner.discard_kv()
-            self._asleep.add("kv_cache")
-        if "weights" not in self._asleep and self._weights_source is not None:
-            first = self._runners()[0]
-            self._host_weights = list(jax.device_get(first.params)) if level == 1 else None
-            self.runner.discard_weights()
-            self.loaded = dataclasses.replace(self.loaded, model=None)
-            self._asleep.add("weights")
-        gc.collect()  # a model's modules refer to each other: without it, their arrays wait for the next collection
 
     def wake_up(self, tags: Seq[str] | None = None) -> None:
         """Undo :meth:`sleep`: ``tags`` ``"weights"``, ``"kv_cache"``, or both (None). Waking
@@ -412,8 +423,8 @@ class LLM:
         """Queue a request; returns its id. Raises before any work if it is invalid.
         ``priority``: lower runs first (needs ``scheduling_policy="priority"``); ``lora_request``:
         its LoRA adapter (needs ``enable_lora=True``)."""
+        self._check_awake()  # first: a refused request draws no id or seed
         req = self.inputs.process(prompt, params, request_id, self._live(), priority, lora_request=lora_request)
-        self._check_awake()
         self.core.add(req)
         return req.request_id
 
@@ -453,6 +464,13 @@ class LLM:
         ``priority``: one per prompt, lower first (needs ``scheduling_policy="priority"``);
         ``lora_request``: the LoRA adapter of every prompt, or a list of one per prompt (None:
         the base model; needs ``enable_lora=True``)."""
+        return self._generate(prompts, sampling_params, use_tqdm, priority, lora_request,
+                              prompt_names(prompts, "prompts", one="prompt"))
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority, lora_request,
+                  names: list[str]) -> list[RequestOutput]:
+        """:meth:`generate` of prompts named ``names`` in errors."""
+        self._check_awake()
         pairs = pair_prompts(prompts, sampling_params)
         if priority is None:
             priority = [0] * len(pairs)
@@ -461,7 +479,7 @@ class LLM:
             raise ValueError(f"priority must be a list of one int per prompt ({len(pairs)}), got {priority!r}")
         loras = per_prompt_lora(lora_request, len(pairs))
         reqs: list[Request] = []  # all validated before any is queued: a bad prompt queues nothing
-        for (p, sp), prio, lora, name in zip(pairs, priority, loras, prompt_names(prompts, "prompts", one="prompt")):
+        for (p, sp), prio, lora, name in zip(pairs, priority, loras, names):
             # auto ids: distinct among themselves
             reqs.append(self.inputs.process(p, sp, None, self._live(), prio, lora_request=lora, what=name))
         return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="generate")
@@ -484,6 +502,7 @@ class LLM:
                loras: list[LoRARequest | None], use_tqdm: bool) -> list[EmbeddingRequestOutput]:
         """:meth:`embed` of prompts named ``names`` in errors. All are validated before any is
         queued: a bad prompt queues nothing."""
+        self._check_awake()
         reqs = [self.inputs.process(p, None, None, self._live(), pooling=params, lora_request=lora, what=name)
                 for p, name, lora in zip(prompts, names, loras)]
         return self._run_to_completion(reqs, use_tqdm=use_tqdm, desc="embed")
@@ -574,7 +593,8 @@ class LLM:
         prompts = [self.chat_prompt(c, add_generation_prompt, tools=tools,
                                     what=f"conversation {i}" if len(convs) > 1 else "messages", **options)
                    for i, c in enumerate(convs)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        names = [f"conversation {i}" if len(convs) > 1 else "messages" for i in range(len(convs))]
+        return self._generate(prompts, sampling_params, use_tqdm, None, lora_request, names)
 
     def _check_chat_template(self, chat_template: str | None) -> None:
         if self.tokenizer is None:
@@ -630,15 +650,16 @@ class LLM:
         streams do: a stop string cuts the text before it, and what was yielded stays yielded
         (with ``include_stop_str_in_output`` nothing is held back: the stop string stays).
         """
+        self._check_awake()
         text, ids, params = self.inputs.check(prompt, sampling_params)  # raises here, not at the first next()
         # Processed (its adapter loaded and checked) here too; queued at the first next().
         req = self.inputs.process({"prompt": text, "prompt_token_ids": ids}, params, None, self._live(),
                                   lora_request=lora_request)
-        self._check_awake()
         return self._stream(req)
 
     def _stream(self, req: Request) -> Iterator[str]:
         inbox: dict[str, Request] = {}
+        self._check_awake()  # (asleep since the generator was made: it never started)
         self.core.add(req)
         self._claimed[req.request_id] = inbox
         sent = 0

@@ -44,7 +44,9 @@ def is_one_prompt(prompts: PromptType | Sequence[PromptType]) -> bool:
 def prompt_names(prompts: PromptType | Sequence[PromptType], what: str, one: str | None = None) -> list[str]:
     """Each prompt's name in errors: ``one`` (default ``what``) for one prompt, ``what[i]`` for the
     i-th of a list."""
-    return [one or what] if is_one_prompt(prompts) else [f"{what}[{i}]" for i in range(len(prompts))]
+    if is_one_prompt(prompts) or not isinstance(prompts, (Sequence, np.ndarray)):  # (not prompts: refused later)
+        return [one or what]
+    return [f"{what}[{i}]" for i in range(len(prompts))]
 
 
 def pair_prompts(prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams

@@ -42,7 +42,7 @@ def invalid(e: Exception, body: OpenAIRequest | None = None) -> APIError:
     ``structured_outputs``, the field of ``body`` that gave it: ``response_format``, ``guided_*``
     or a named or required ``tool_choice``)."""
     message = str(e)
-    first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    first = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0].split("'", 1)[0].rstrip(":")
     fields = {"prompt", "messages", *OpenAIRequest.model_fields, *CompletionRequest.model_fields,
               *ChatCompletionRequest.model_fields}
     if first == "structured_outputs" and body is not None:

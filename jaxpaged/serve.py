@@ -280,7 +280,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         lora = check_model(body.model)
         model = model_name(lora)
-        streams = await add([{"prompt_token_ids": ids}], params, rid, body, lora=lora)
+        streams = await add([{"prompt_token_ids": ids}], params, rid, body, lora=lora, names=["messages"])
         held = params.output_text_buffer_length
         events = chat_events(engine, rid, model, streams[0], body, held, tool_calls, reasoning) if body.stream else None
         return await respond(raw, streams, events,
@@ -482,6 +482,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 await engine.sleep(level)
             except ValueError as e:
                 raise APIError(400, str(e), param="level", code="invalid_value") from None
+            except EngineDeadError:
+                raise
             except RuntimeError as e:
                 raise APIError(409, str(e), code="requests_unfinished") from None
             return Response(status_code=200)

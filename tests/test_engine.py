@@ -606,6 +606,16 @@ def test_bad_prompt_rejected_alone(tiny_engine_model, reference, prompt, match):
     assert_no_leak(llm)
 
 
+def test_chat_names_the_conversation_that_is_too_long(tiny_engine_model):
+    llm = make(tiny_engine_model)
+    long = [{"role": "user", "content": "hello " * 600}]
+    with pytest.raises(ValueError, match=r"^messages has \d+ tokens; max_model_len is 512"):
+        llm.chat(long, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^conversation 1 has \d+ tokens"):
+        llm.chat([[{"role": "user", "content": "hi"}], long], GREEDY, use_tqdm=False)
+    assert_no_leak(llm)
+
+
 def test_prompt_that_can_never_fit_the_pool(tiny_engine_model):
     llm = make(tiny_engine_model, num_blocks=5)  # 4 usable blocks of 8 slots
     with pytest.raises(ValueError, match="needs 5 blocks of 8 slots, but the pool has 4"):

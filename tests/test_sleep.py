@@ -60,7 +60,8 @@ def test_level_2_wakes_up_with_the_checkpoint_as_it_is_now(tiny_engine_folder, t
     shutil.copytree(tiny_engine_folder, folder)
     llm = LLM(folder, **ENGINE)
     old = tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-    llm.sleep(2)
+    llm.sleep(1)
+    llm.sleep(2)  # deeper: the host copy of level 1 goes too
     weights = load_file(folder / "model.safetensors")
     rng = np.random.default_rng(0)
     weights = {k: (v + rng.normal(0, 0.3, v.shape)).astype(v.dtype) for k, v in weights.items()}
@@ -227,3 +228,41 @@ def test_update_weights_while_asleep_and_refused_under_requests(tiny_engine_fold
     llm.add_request(PROMPTS[0], PARAMS[0])
     with pytest.raises(RuntimeError, match=r"update_weights: 1 request\(s\) are unfinished"):
         llm.update_weights(new)
+
+
+def test_nothing_reaches_the_device_while_asleep(tiny_engine_folder):
+    """A stream made before sleep() and started after it, an AsyncLLM made around an engine
+    asleep, an engine over the weights let go: each refused, the engine intact; a refused
+    request draws no seed (later unseeded samples are those of an engine never refused)."""
+    import asyncio
+
+    from jaxpaged.async_engine import AsyncLLM, EngineSleepingError
+
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)  # unseeded: the engine's seed
+    ref = LLM(tiny_engine_folder, **ENGINE)
+    ref.stream(PROMPTS[2], PARAMS[0])  # made while awake: a request drawn, as below
+    want = tokens(ref.generate(PROMPTS, sampled, use_tqdm=False))
+    llm = LLM(tiny_engine_folder, **ENGINE)
+    pending = llm.stream(PROMPTS[2], PARAMS[0])
+    llm.sleep(1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        next(pending)
+    for refused in (lambda: llm.generate(PROMPTS, sampled, use_tqdm=False), lambda: llm.add_request(PROMPTS[0]),
+                    lambda: llm.stream(PROMPTS[0]), lambda: llm.embed(PROMPTS[0], use_tqdm=False)):
+        with pytest.raises(RuntimeError, match="asleep"):
+            refused()
+    with pytest.raises(ValueError, match="let go by its engine's sleep"):
+        LLM(llm.loaded, **ENGINE)
+    engine = AsyncLLM(llm)
+    try:
+        async def main():
+            assert await engine.is_sleeping()
+            with pytest.raises(EngineSleepingError):
+                engine.add_request(PROMPTS[0], PARAMS[0])
+            await engine.wake_up()
+            assert not await engine.is_sleeping()
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert tokens(llm.generate(PROMPTS, sampled, use_tqdm=False)) == want
+    assert llm.stats()["num_used_blocks"] == 0
