@@ -490,10 +490,16 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
         @app.post("/wake_up")
         async def wake_up(tags: list[str] | None = Query(None)):
+            bad = sorted(set(tags or ()) - {"weights", "kv_cache"})
+            if bad:
+                raise APIError(400, f"tags must be 'weights' and/or 'kv_cache', got {bad}", param="tags",
+                               code="invalid_value")
             try:
                 await engine.wake_up(tags)
-            except ValueError as e:
-                raise APIError(400, str(e), param="tags", code="invalid_value") from None
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. a level-2 checkpoint that no longer fits the model
+                raise APIError(500, f"wake_up failed: {e}", type="server_error", code="wake_up_failed") from None
             return Response(status_code=200)
 
         @app.get("/is_sleeping")

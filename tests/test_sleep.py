@@ -112,8 +112,10 @@ def test_sleep_is_refused_while_requests_run_and_needs_sleep_mode(tiny_engine_mo
     assert not llm.is_sleeping()  # the weights were the caller's: never let go
 
 
-def test_server_sleeps_refuses_requests_and_wakes_up(tiny_engine_folder):
-    srv = Running(LLM(tiny_engine_folder, **ENGINE))
+def test_server_sleeps_refuses_requests_and_wakes_up(tiny_engine_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_engine_folder, folder)
+    srv = Running(LLM(folder, **ENGINE))
     try:
         def post(path, **kw):
             return httpx.post(srv.url + path, headers=AUTH, timeout=60, **kw)
@@ -134,6 +136,17 @@ def test_server_sleeps_refuses_requests_and_wakes_up(tiny_engine_folder):
         assert post("/wake_up", params={"tags": "pool"}).status_code == 400
         assert post("/wake_up").status_code == 200
         assert httpx.get(srv.url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert complete().json()["choices"][0]["text"] == before
+        assert post("/sleep", params={"level": 2}).status_code == 200
+        good = (folder / "model.safetensors").read_bytes()
+        weights = load_file(folder / "model.safetensors")
+        save_file({k: v for k, v in weights.items() if "layers.1." not in k}, folder / "model.safetensors")
+        r = post("/wake_up")  # the checkpoint lost a layer: the weights cannot come back
+        assert r.status_code == 500 and r.json()["error"]["code"] == "wake_up_failed", r.text
+        assert "layers" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/is_sleeping").json() == {"is_sleeping": True}
+        (folder / "model.safetensors").write_bytes(good)
+        assert post("/wake_up").status_code == 200
         assert complete().json()["choices"][0]["text"] == before
     finally:
         srv.stop()
