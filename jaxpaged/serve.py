@@ -78,7 +78,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change them while the server runs.
     An engine with ``enable_sleep_mode`` has vLLM's ``POST /sleep?level=1``, ``POST /wake_up``
     (``?tags=weights``, ``?tags=kv_cache``: one of them) and ``GET /is_sleeping``; requests
-    while it sleeps get a 503."""
+    while it sleeps get a 503. ``POST /reset_prefix_cache`` (vLLM's) forgets the cached prefixes."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r} is not one of {TOOL_PARSERS}")
     if responses_store_size < 0:
@@ -132,9 +132,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     @app.middleware("http")
     async def _authenticate(request: Request, call_next):
         # vLLM's guard covers /v1; the score and rerank aliases outside it run the model too, and
-        # sleep mode's endpoints free and reload it.
+        # sleep mode's endpoints and the prefix cache's reset change the engine's state.
         if api_key is not None and request.url.path.startswith(("/v1", "/v2", "/score", "/rerank", "/sleep",
-                                                                  "/wake_up")):
+                                                                  "/wake_up", "/reset_prefix_cache")):
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
                 return error(APIError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
@@ -473,6 +473,12 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         if not engine.is_running:
             return error(APIError(503, "the engine is not running", type="server_error", code="engine_dead"))
         return Response(status_code=200)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: forget every cached prefix (between benchmark runs, after new weights);
+        ``{"reset": false}`` while requests hold blocks."""
+        return {"reset": await engine.reset_prefix_cache()}
 
     if engine.llm.enable_sleep_mode:
         @app.post("/sleep")

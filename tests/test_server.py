@@ -950,3 +950,21 @@ def test_a_finished_choice_is_sent_once():
     assert d.next(0, "abcdefg", 4, True) == ("defg", 3)
     assert d.next(0, "abcdefg", 4, True) is None
     assert d.next(1, "xy", 2, False) == ("", 0)  # the other choice goes on
+
+
+def test_reset_prefix_cache_endpoint_forgets_cached_prompts(srv):
+    import httpx
+
+    body = {"model": MODEL, "prompt": "A prompt long enough to fill whole blocks of sixteen tokens: " * 3,
+            "max_tokens": 2, "temperature": 0}
+
+    def cached():
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0  # the second time its full blocks come from the cache
+    assert httpx.post(srv.url + "/reset_prefix_cache", timeout=60).status_code == 401  # the key guards it
+    r = httpx.post(srv.url + "/reset_prefix_cache", headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert cached() == 0
