@@ -279,3 +279,114 @@ def test_nothing_reaches_the_device_while_asleep(tiny_engine_folder):
         engine.shutdown()
     assert tokens(llm.generate(PROMPTS, sampled, use_tqdm=False)) == want
     assert llm.stats()["num_used_blocks"] == 0
+
+
+class SleepMachine:
+    """Random interleavings of requests, steps, aborts, sleeps, wake-ups and weight updates on one
+    engine (hypothesis): a request is refused exactly while the engine sleeps, sleep and
+    update_weights exactly while requests are unfinished; every request that finishes has the
+    tokens an engine with the weights of its admission gives it alone; no block leaks."""
+
+    GREEDY_AND_SEEDED = [PARAMS[0], PARAMS[1], PARAMS[2]]
+
+    @classmethod
+    def build(cls, folder, weights: list[dict], alone: dict):
+        from hypothesis import strategies as st
+        from hypothesis.stateful import RuleBasedStateMachine, rule
+
+        class Machine(RuleBasedStateMachine):
+            def __init__(self):
+                super().__init__()
+                self.llm = LLM(folder, max_num_seqs=3, num_blocks=14, block_size=4, max_num_batched_tokens=16,
+                               enable_sleep_mode=True, debug_checks=True)
+                self.current = 0  # the weights in the engine: the checkpoint's (0) or the other set (1)
+                self.live: dict[str, tuple[int, int, int]] = {}
+
+            def busy(self) -> bool:
+                return self.llm.core.scheduler.has_unfinished()
+
+            def collect(self, outs):
+                for o in outs:
+                    if o.finished and o.request_id in self.live:
+                        p, s, w = self.live.pop(o.request_id)
+                        if not any(c.finish_reason == "abort" for c in o.outputs):
+                            assert tokens([o]) == alone[p, s, w], (p, s, w)
+
+            @rule(p=st.integers(0, len(PROMPTS) - 1), s=st.integers(0, len(cls.GREEDY_AND_SEEDED) - 1))
+            def add(self, p, s):
+                if self.llm.is_sleeping():
+                    with pytest.raises(RuntimeError, match="asleep"):
+                        self.llm.add_request(PROMPTS[p], cls.GREEDY_AND_SEEDED[s])
+                else:
+                    self.live[self.llm.add_request(PROMPTS[p], cls.GREEDY_AND_SEEDED[s])] = (p, s, self.current)
+
+            @rule(n=st.integers(1, 8))
+            def step(self, n):
+                for _ in range(n):
+                    self.collect(self.llm.step())
+
+            @rule()
+            def drain(self):  # so that sleep and update_weights find the engine idle often enough
+                if not self.llm.is_sleeping():
+                    while self.llm.has_unfinished_requests():
+                        self.collect(self.llm.step())
+
+            @rule(data=st.data())
+            def abort(self, data):
+                if self.live:
+                    rid = data.draw(st.sampled_from(sorted(self.live)))
+                    self.llm.abort(rid)
+                    self.live.pop(rid)
+
+            @rule(level=st.sampled_from([1, 2]))
+            def sleep(self, level):
+                if self.busy():
+                    with pytest.raises(RuntimeError, match="unfinished"):
+                        self.llm.sleep(level)
+                else:
+                    self.llm.sleep(level)
+                    assert self.llm.is_sleeping() and self.llm.runner.kv is None and self.llm.runner.params is None
+                    if level == 2:
+                        self.current = 0  # wake_up reads the checkpoint again
+
+            @rule(tags=st.sampled_from([None, ["weights"], ["kv_cache"]]))
+            def wake_up(self, tags):
+                self.llm.wake_up(tags)
+                assert (self.llm.runner.params is None) == ("weights" in self.llm._asleep)
+
+            @rule(which=st.sampled_from([0, 1]))
+            def update_weights(self, which):
+                if self.busy():
+                    with pytest.raises(RuntimeError, match="unfinished"):
+                        self.llm.update_weights(weights[which])
+                else:
+                    self.llm.update_weights(weights[which])
+                    self.current = which
+
+            def teardown(self):
+                self.llm.wake_up()
+                while self.llm.has_unfinished_requests():
+                    self.collect(self.llm.step())
+                assert not self.live and self.llm.stats()["num_used_blocks"] == 0
+                self.llm.bm.check_invariants()
+
+        return Machine
+
+
+def test_random_sleep_wake_and_update_traffic(tiny_engine_folder, tmp_path):
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    weights = [load_file(tiny_engine_folder / "model.safetensors"), perturbed(tiny_engine_folder, seed=2)]
+    folder = tmp_path / "other"
+    shutil.copytree(tiny_engine_folder, folder)
+    save_file(weights[1], folder / "model.safetensors", metadata={"format": "pt"})
+    alone = {}
+    for w, source in enumerate((tiny_engine_folder, folder)):
+        ref = LLM(source, **ENGINE)
+        for p, prompt in enumerate(PROMPTS):
+            for s, params in enumerate(SleepMachine.GREEDY_AND_SEEDED):
+                alone[p, s, w] = tokens(ref.generate(prompt, params, use_tqdm=False))
+    machine = SleepMachine.build(tiny_engine_folder, weights, alone)
+    run_state_machine_as_test(machine, settings=settings(max_examples=8, stateful_step_count=25, deadline=None,
+                                                         suppress_health_check=list(HealthCheck)))
