@@ -1,7 +1,8 @@
 """Sleep mode (vLLM's ``LLM.sleep`` / ``wake_up``, the server's ``/sleep``, ``/wake_up``,
 ``/is_sleeping``): the engine lets go of its weights and KV pool, refuses requests meanwhile,
 and wakes up giving the tokens it gave before (level 1) or those of the checkpoint as it is
-now (level 2). Two replicas, dp-attention and tensor parallelism: ``dp_cases.py``, ``tp_cases.py``."""
+now (level 2); ``update_weights`` hands a trainer's weights over in memory. Two replicas,
+dp-attention and tensor parallelism: ``dp_cases.py``, ``tp_cases.py``."""
 
 import gc
 import shutil
