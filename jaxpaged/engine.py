@@ -400,7 +400,7 @@ class LLM:
         """``model``'s arrays in the engine's layout, checked against the ones it compiled for."""
         first = self._runners()[0]
         structure, leaves = split_model(runtime_form(model))
-        want = [(tuple(s.shape), s.dtype) for s in (first._param_specs if first.params is None else first.params)]
+        want = [(tuple(s.shape), s.dtype) for s in first.param_specs]
         got = [(tuple(x.shape), x.dtype) for x in leaves]
         if structure.value[1] != first.structure.value[1] or got != want:
             raise RuntimeError(f"{what} are not the engine's model's parameters (their names, shapes or dtypes "

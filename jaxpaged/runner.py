@@ -458,6 +458,13 @@ class ModelRunner:
         self._param_specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.params)
         self.params = None
 
+    @property
+    def param_specs(self) -> tuple:
+        """The weights' shapes and dtypes, awake or not (:meth:`discard_weights`)."""
+        if self.params is None:
+            return self._param_specs
+        return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.params)
+
     def load_weights(self, leaves) -> None:
         """Weights from ``leaves`` (host or device arrays in this runner's order), laid out as
         the runner's are (or were, before :meth:`discard_weights`)."""
