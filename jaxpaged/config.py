@@ -70,8 +70,64 @@ def _rope_scaling(rs: dict[str, Any], max_positions: int) -> RopeScaling | Linea
     raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: none, llama3, linear, yarn)")
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A mixture of experts in place of every layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    Each token's router logits (``x @ router``, ``[E]``) go through a softmax; the ``top_k``
+    most probable experts (SwiGLU MLPs ``intermediate_size`` wide) each run on the token and
+    their outputs are summed weighted by those probabilities, renormalised to sum to 1 when
+    ``norm_topk_prob`` (Mixtral always; Qwen's per config). Qwen2-MoE adds a shared expert
+    (``shared_intermediate_size`` wide, 0: none) that every token runs, its output scaled by
+    ``sigmoid(x @ w)``. ``hf_block`` and ``hf_experts`` are the checkpoint's names for the
+    block and its experts' gate, up and down projections."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    hf_block: str = "mlp"
+    hf_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and num_experts={self.num_experts}")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The MLP widths tensor parallelism splits: the experts' and the shared expert's."""
+        return (self.intermediate_size,) + ((self.shared_intermediate_size,) if self.shared_intermediate_size else ())
+
+
+def _moe_config(d: dict[str, Any], model_type: str) -> MoeConfig | None:
+    """The experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config, None for a dense model."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    if model_type != "mixtral":
+        # Qwen's MoE configs may keep some layers dense; every layer here is one stack.
+        dense = d.get("mlp_only_layers") or []
+        step = d.get("decoder_sparse_step", 1)
+        if dense or step != 1:
+            raise ValueError(f"unsupported: dense MLP layers among the expert layers (mlp_only_layers={dense}, "
+                             f"decoder_sparse_step={step}); every layer must be a mixture of experts")
+    experts = d.get("num_local_experts") or d.get("num_experts")
+    if not experts:
+        raise ValueError(f"{model_type} config has no num_local_experts / num_experts")
+    if model_type == "mixtral":
+        return MoeConfig(num_experts=int(experts), top_k=int(d.get("num_experts_per_tok", 2)),
+                         intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
+                         hf_block="block_sparse_moe", hf_experts=("w1", "w3", "w2"))
+    return MoeConfig(num_experts=int(experts), top_k=int(d.get("num_experts_per_tok", 2)),
+                     intermediate_size=int(d["moe_intermediate_size"]),
+                     norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                     shared_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
+                     if model_type == "qwen2_moe" else 0)
+
+
 # The ``model_type``s whose checkpoints load (and any architecture named ``*Llama*``).
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +150,8 @@ class LlamaConfig:
     # key head (RMSNorm over head_dim, before RoPE). Otherwise the same decoder as Llama's.
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Mixtral, Qwen2-MoE, Qwen3-MoE: experts instead of the MLP (intermediate_size then unused).
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -108,7 +166,8 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
         """Build from a ``config.json`` dict of a Llama-architecture model: Llama, Mistral,
-        Qwen2 (q/k/v biases) or Qwen3 (q/k norms), all layers full attention."""
+        Qwen2 (q/k/v biases) or Qwen3 (q/k norms), and their mixtures of experts (Mixtral,
+        Qwen2-MoE, Qwen3-MoE; :class:`MoeConfig`), all layers full attention."""
         archs = d.get("architectures") or []
         model_type = d.get("model_type", "llama")
         if model_type not in MODEL_TYPES and not any("Llama" in a for a in archs):
@@ -126,7 +185,7 @@ class LlamaConfig:
                              f"{d.get('use_sliding_window')}, layer_types={d.get('layer_types')}): "
                              "only full attention in every layer")
         max_positions = int(d.get("max_position_embeddings", 2048))
-        if model_type == "mistral" and d.get("sliding_window"):
+        if model_type in ("mistral", "mixtral") and d.get("sliding_window"):
             # Mistral-7B-v0.1: every layer sees the last 4,096 keys. Within the window that is
             # full attention, so the model runs exactly up to it and no further.
             max_positions = min(max_positions, int(d["sliding_window"]))
@@ -156,8 +215,9 @@ class LlamaConfig:
             max_position_embeddings=max_positions,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(d.get("qkv_bias", True))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=_moe_config(d, model_type),
         )
 
     @classmethod

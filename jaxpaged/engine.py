@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import json
 import logging
 import time
 from collections import ChainMap
@@ -27,6 +28,7 @@ from jaxpaged import hugepages
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.chat_template import template_kwargs
 from jaxpaged.compilation_cache import ensure_compilation_cache
+from jaxpaged.config import LlamaConfig
 from jaxpaged.contiguous import ContiguousBlockManager
 from jaxpaged.data_parallel import DataParallelRunner, DataParallelScheduler
 from jaxpaged.detokenizer import stream_end
@@ -161,6 +163,10 @@ class LLM:
                              "without it")
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}; choose from {RUNNERS}")
+        if (cfg := _model_config(model)) is not None and cfg.moe is not None:  # before devices or weights
+            for on, what in ((lora_config is not None, "enable_lora"), (enable_dp_attention, "enable_dp_attention")):
+                if on:
+                    raise ValueError(f"{what} is not supported for a mixture-of-experts model ({_source(model)})")
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,
@@ -721,6 +727,20 @@ class LLM:
                 "spec_num_accepted_tokens": s.num_accepted_tokens,
                 "spec_acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
                 "spec_mean_acceptance_length": 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else 0.0}
+
+
+def _model_config(model) -> LlamaConfig | None:
+    """The config of ``LLM(model)``'s model where it is known before loading (a LoadedModel, or
+    a Hugging Face folder's ``config.json``); None otherwise (a GGUF, the embedded model)."""
+    if isinstance(model, LoadedModel):
+        return model.config
+    folder = Path(model).expanduser() if isinstance(model, (str, Path)) else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        return LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    except (ValueError, KeyError, TypeError):
+        return None  # loading says what is wrong with it
 
 
 def _source(model) -> Path | str | None:

@@ -158,6 +158,9 @@ def _hf_config(f: _GGUFFile) -> dict[str, Any]:
     if arch not in _HF_ARCHITECTURES:
         raise f.error(f"architecture {arch!r} is not supported (only {', '.join(map(repr, _HF_ARCHITECTURES))})")
     a = f"{arch}."
+    if f.get(a + "expert_count", 0):  # Mixtral's GGUFs are "llama" with experts
+        raise f.error(f"a mixture of experts ({arch}.expert_count={f.get(a + 'expert_count')}) is not supported "
+                      "from GGUF; load the model's Hugging Face folder")
     num_heads = _same_for_all_layers(f, a + "attention.head_count")
     num_kv_heads = _same_for_all_layers(f, a + "attention.head_count_kv", num_heads)
     hidden = int(f.get(a + "embedding_length"))

@@ -86,6 +86,33 @@ _LAYER_RULES: list[tuple[str, str, _T]] = [
     (r"self_attn\.q_norm\.weight", "q_norm", lambda w, c: w),
     (r"self_attn\.k_norm\.weight", "k_norm", lambda w, c: w),
 ]
+
+
+def _transposed(w: np.ndarray, c: LlamaConfig) -> np.ndarray:
+    return w.T
+
+
+def _layer_rules(cfg: LlamaConfig) -> list[tuple[str, str, _T]]:
+    """The layer rules of this model: a mixture of experts (:class:`~jaxpaged.config.MoeConfig`)
+    names its router, experts (each pattern's group is the expert's index) and shared expert after
+    its checkpoint's own names instead of the MLP's."""
+    if (moe := cfg.moe) is None:
+        return _LAYER_RULES
+    block = re.escape(moe.hf_block)
+    gate, up, down = (re.escape(n) for n in moe.hf_experts)
+    rules = [r for r in _LAYER_RULES if not r[0].startswith(r"mlp\.")]
+    rules += [(rf"{block}\.gate\.weight", "router", _transposed),
+              (rf"{block}\.experts\.(\d+)\.{gate}\.weight", "we_gate", _transposed),
+              (rf"{block}\.experts\.(\d+)\.{up}\.weight", "we_up", _transposed),
+              (rf"{block}\.experts\.(\d+)\.{down}\.weight", "we_down", _transposed)]
+    if moe.shared_intermediate_size:
+        rules += [(rf"{block}\.shared_expert\.gate_proj\.weight", "ws_gate", _transposed),
+                  (rf"{block}\.shared_expert\.up_proj\.weight", "ws_up", _transposed),
+                  (rf"{block}\.shared_expert\.down_proj\.weight", "ws_down", _transposed),
+                  (rf"{block}\.shared_expert_gate\.weight", "ws_router", lambda w, c: w.reshape(-1))]
+    return rules
+
+
 _GLOBAL_RULES: dict[str, tuple[str, _T]] = {
     "model.embed_tokens.weight": ("embed", lambda w, c: w),
     "model.norm.weight": ("final_norm", lambda w, c: w),
@@ -100,8 +127,9 @@ def _abstract_params(cfg: LlamaConfig) -> dict:
     return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
 
 
-# Where a checkpoint tensor goes: (param name, layer index or None for a global, transform).
-_Target = tuple[str, int | None, _T]
+# Where a checkpoint tensor goes: (param name, index into its stack or None for a global,
+# transform). The index is (layer,), or (layer, expert) for an expert's weights.
+_Target = tuple[str, tuple[int, ...] | None, _T]
 
 
 def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source: str | Path) -> dict[str, _Target]:
@@ -112,9 +140,10 @@ def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source
     """
     expected = _abstract_params(cfg)
     layer_shapes = expected["layers"]
+    rules = _layer_rules(cfg)
     plan: dict[str, _Target] = {}
     errors: list[str] = []
-    seen_layer: dict[str, set[int]] = {k: set() for k in layer_shapes}
+    seen_layer: dict[str, set[tuple[int, ...]]] = {k: set() for k in layer_shapes}
     for name, shape in shapes.items():
         shape = tuple(shape)
         if _IGNORED.fullmatch(name):
@@ -124,17 +153,21 @@ def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source
         m = _LAYER_NAME.fullmatch(name)
         if m:
             i, rest = int(m.group(1)), m.group(2)
-            rule = next(((p, f) for pat, p, f in _LAYER_RULES if re.fullmatch(pat, rest)), None)
-            if rule is None or rule[0] not in layer_shapes or i >= cfg.num_layers:
+            rule = next(((p, f, hit) for pat, p, f in rules if (hit := re.fullmatch(pat, rest))), None)
+            if rule is None or rule[0] not in layer_shapes:
                 errors.append(f"unexpected tensor {name!r} {shape}")
                 continue
-            p, f = rule
-            want = _hf_shape(layer_shapes[p].shape[1:], p)
+            p, f, hit = rule
+            idx = (i, *map(int, hit.groups()))  # (layer,) or (layer, expert)
+            if any(j >= n for j, n in zip(idx, layer_shapes[p].shape)):
+                errors.append(f"unexpected tensor {name!r} {shape}")
+                continue
+            want = _hf_shape(layer_shapes[p].shape[len(idx):], p)
             if shape != want:
                 errors.append(f"tensor {name!r} has shape {shape}, expected {want}")
                 continue
-            plan[name] = (p, i, f)
-            seen_layer[p].add(i)
+            plan[name] = (p, idx, f)
+            seen_layer[p].add(idx)
         elif name in _GLOBAL_RULES:
             p, f = _GLOBAL_RULES[name]
             want = tuple(expected[p].shape[::-1] if p == "lm_head" else expected[p].shape)
@@ -145,11 +178,19 @@ def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source
         else:
             errors.append(f"unexpected tensor {name!r} {shape}")
     for p, got in seen_layer.items():
-        missing = sorted(set(range(cfg.num_layers)) - got)
+        pat = next(pat for pat, q, _ in rules if q == p)
+        experts = range(layer_shapes[p].shape[1]) if "(" in pat else None
+        want = {(i,) for i in range(cfg.num_layers)} if experts is None else {
+            (i, j) for i in range(cfg.num_layers) for j in experts}
+        missing = sorted(want - got)
         if missing:
-            rule = next(pat for pat, q, _ in _LAYER_RULES if q == p).replace("\\", "")
-            errors.append(f"missing tensor model.layers.{{{','.join(map(str, missing[:8]))}"
-                          f"{',...' if len(missing) > 8 else ''}}}.{rule}")
+            layers = sorted({i for i, *_ in missing})
+            rule = pat.replace("\\", "")
+            if experts is not None:
+                names = sorted({j for _, j in missing})
+                rule = rule.replace("(d+)", f"{{{','.join(map(str, names[:8]))}{',...' if len(names) > 8 else ''}}}")
+            errors.append(f"missing tensor model.layers.{{{','.join(map(str, layers[:8]))}"
+                          f"{',...' if len(layers) > 8 else ''}}}.{rule}")
     placed = {p for p, i, _ in plan.values() if i is None}
     for p in expected:
         if p != "layers" and p not in placed:
@@ -164,6 +205,8 @@ def _hf_shape(layer_shape: tuple[int, ...], p: str) -> tuple[int, ...]:
     """The HF (PyTorch Linear [out, in]) shape of one layer's param."""
     if p in ("input_norm", "post_attn_norm", "q_norm", "k_norm"):
         return tuple(layer_shape)
+    if p == "ws_router":  # Qwen2-MoE's shared_expert_gate: a Linear(D, 1)
+        return (1, *layer_shape)
     if p in ("bq", "bk", "bv"):
         return (math.prod(layer_shape),)
     if p in ("wq", "wk", "wv"):
@@ -217,16 +260,16 @@ def stream_params(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]],
     for name, arr in tensors:
         if name in plan:
             seen.add(name)
-            p, i, f = plan[name]
+            p, idx, f = plan[name]
             try:
-                if i is None:
+                if idx is None:
                     out[p] = put(f(arr, cfg), shardings[p])
                 else:
                     s = shardings["layers"][p]
                     if p not in out["layers"]:
                         out["layers"][p] = jnp.zeros(layer_shapes[p].shape, dtype, device=s)
-                    piece = s if mesh is None else NamedSharding(mesh, P(*s.spec[1:]))
-                    out["layers"][p] = _write_layer(out["layers"][p], put(f(arr, cfg), piece), i)
+                    piece = s if mesh is None else NamedSharding(mesh, P(*s.spec[len(idx):]))
+                    out["layers"][p] = _write_layer(out["layers"][p], put(f(arr, cfg), piece), idx)
             except Exception as e:  # noqa: BLE001 - any read failure is reported with the tensor's name
                 errors.append(f"cannot read tensor {name!r}: {e}")
         del arr  # a view pins its file's memory map: let it go before the next tensor is read
@@ -237,9 +280,11 @@ def stream_params(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]],
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write_layer(stacked: jax.Array, x: jax.Array, i: int) -> jax.Array:
-    """``stacked`` [L, ...] with layer ``i`` replaced by ``x`` [...], in place (sharded as ``stacked``)."""
-    return jax.lax.dynamic_update_index_in_dim(stacked, x, i, 0)
+def _write_layer(stacked: jax.Array, x: jax.Array, idx: tuple[int, ...]) -> jax.Array:
+    """``stacked`` [L, ...] with ``stacked[idx]`` (a layer, or a layer's expert) replaced by
+    ``x``, in place (sharded as ``stacked``)."""
+    start = (*idx, *(0,) * x.ndim)
+    return jax.lax.dynamic_update_slice(stacked, x.reshape((1,) * len(idx) + x.shape), start)
 
 
 def assemble_model(cfg: LlamaConfig, params: dict, *, dtype, attention_backend: str, mesh: Mesh | None) -> Llama:

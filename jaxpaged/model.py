@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backend
-from jaxpaged.config import LinearRopeScaling, LlamaConfig, YarnRopeScaling
+from jaxpaged.config import LinearRopeScaling, LlamaConfig, MoeConfig, YarnRopeScaling
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision, is_fp8_storage, kv_value_dtype
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
@@ -315,9 +315,21 @@ class DecoderLayer(nnx.Module):
         self.wv = _param(rngs, (D, K, H), dtype, D)
         self.wo = _param(rngs, (N, H, D), dtype, N * H)
         self.post_attn_norm = nnx.Param(jnp.ones((D,), dtype))
-        self.w_gate = _param(rngs, (D, F), dtype, D)
-        self.w_up = _param(rngs, (D, F), dtype, D)
-        self.w_down = _param(rngs, (F, D), dtype, F)
+        if (moe := cfg.moe) is None:
+            self.w_gate = _param(rngs, (D, F), dtype, D)
+            self.w_up = _param(rngs, (D, F), dtype, D)
+            self.w_down = _param(rngs, (F, D), dtype, F)
+        else:  # Mixtral, Qwen-MoE: the router and the experts (see moe_mlp)
+            E, Fe = moe.num_experts, moe.intermediate_size
+            self.router = _param(rngs, (D, E), dtype, D)
+            self.we_gate = _param(rngs, (E, D, Fe), dtype, D)
+            self.we_up = _param(rngs, (E, D, Fe), dtype, D)
+            self.we_down = _param(rngs, (E, Fe, D), dtype, Fe)
+            if Fs := moe.shared_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+                self.ws_gate = _param(rngs, (D, Fs), dtype, D)
+                self.ws_up = _param(rngs, (D, Fs), dtype, D)
+                self.ws_down = _param(rngs, (Fs, D), dtype, Fs)
+                self.ws_router = _param(rngs, (D,), dtype, D)
         if cfg.qkv_bias:  # Qwen2
             self.bq = nnx.Param(jnp.zeros((N, H), dtype))
             self.bk = nnx.Param(jnp.zeros((K, H), dtype))
@@ -325,6 +337,73 @@ class DecoderLayer(nnx.Module):
         if cfg.qk_norm:  # Qwen3
             self.q_norm = nnx.Param(jnp.ones((H,), dtype))
             self.k_norm = nnx.Param(jnp.ones((H,), dtype))
+
+
+# Steps of at most this many (token, expert) pairs per expert on one CPU device gather each
+# pair's expert weights (see moe_mlp); bigger ones take the grouped product.
+MOE_GATHER_MAX_PAIRS_PER_EXPERT = 1
+
+
+def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, gather: bool = False,
+            mesh: Mesh | None = None) -> Float[Array, "T D"]:
+    """A mixture-of-experts layer's MLP output for inputs ``h``: ``p`` holds this layer's
+    ``router`` ``[D, E]``, ``we_gate`` and ``we_up`` ``[E, D, F]``, ``we_down`` ``[E, F, D]``
+    and, with a shared expert, ``ws_gate``, ``ws_up`` ``[D, Fs]``, ``ws_down`` ``[Fs, D]``,
+    ``ws_router`` ``[D]`` (Qwen2-MoE).
+
+    Routing follows Hugging Face's Mixtral and Qwen-MoE: a float32 softmax over the router's
+    logits, the ``top_k`` largest (renormalised if ``moe.norm_topk_prob``). The experts run
+    on the token-expert pairs sorted by expert with :func:`jax.lax.ragged_dot`, a grouped
+    matmul that XLA runs natively on GPU and TPU (each expert reads its weights once; XLA:CPU
+    expands it into every expert for every pair). ``gather``: instead each pair's expert
+    weights are gathered and multiplied with its token alone, which reads only the chosen
+    experts (the CPU form's choice for decode steps of few tokens). Each token's ``top_k``
+    outputs are summed in float32, in rank order, the same on every path.
+
+    ``mesh``: under tensor parallelism the experts' (and shared expert's) MLP width is
+    sharded over ``"tp"``; each device runs its slice of every expert inside ``shard_map``
+    and one all-reduce sums the partial outputs (one per layer, as for a dense MLP).
+    """
+    names = ("router", "we_gate", "we_up", "we_down") + (
+        ("ws_gate", "ws_up", "ws_down", "ws_router") if moe.shared_intermediate_size else ())
+    weights = tuple(getattr(p, n)[...] for n in names)
+
+    def local(h, *weights):
+        w = dict(zip(names, weights))
+        T, k, E = h.shape[0], moe.top_k, moe.num_experts
+        logits = jax.lax.dot_general(h, w["router"], (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+        probs, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [T, k], largest first
+        if moe.norm_topk_prob:
+            probs = probs / probs.sum(axis=-1, keepdims=True)
+        flat = experts.reshape(-1)  # pair t * k + j: token t's j-th expert
+        if gather:
+            xs = jnp.repeat(h, k, axis=0)  # [T k, D]
+            g = jnp.einsum("pd,pdf->pf", xs, w["we_gate"][flat], precision=precision)
+            u = jnp.einsum("pd,pdf->pf", xs, w["we_up"][flat], precision=precision)
+            y = jnp.einsum("pf,pfd->pd", jax.nn.silu(g) * u, w["we_down"][flat], precision=precision)
+        else:
+            order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
+            sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+            xs = h[order // k]
+            g = jax.lax.ragged_dot(xs, w["we_gate"], sizes, precision=precision)
+            u = jax.lax.ragged_dot(xs, w["we_up"], sizes, precision=precision)
+            y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w["we_down"], sizes, precision=precision)
+            y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in pair order
+        out = (y.astype(jnp.float32).reshape(T, k, -1) * probs[:, :, None]).sum(axis=1)
+        if moe.shared_intermediate_size:
+            a = jax.nn.silu(jnp.dot(h, w["ws_gate"], precision=precision)) * jnp.dot(h, w["ws_up"],
+                                                                                     precision=precision)
+            gate = jax.nn.sigmoid(jnp.dot(h, w["ws_router"], precision=precision).astype(jnp.float32))
+            out = out + jnp.dot(a, w["ws_down"], precision=precision).astype(jnp.float32) * gate[:, None]
+        if mesh is not None:
+            out = jax.lax.psum(out, sharding.TP)
+        return out.astype(h.dtype)
+
+    if mesh is None:
+        return local(h, *weights)
+    specs = tuple(sharding.moe_local_spec(n) for n in names)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(),) + specs, out_specs=P())(h, *weights)
 
 
 # The LoRA modules (jaxpaged.lora.MODULES) each group of lora_deltas updates, by index.
@@ -371,7 +450,8 @@ class FusedLayer(nnx.Module):
     ``w_gate_up`` ``[D, 2F]`` (the gate's columns first), ``w_down`` ``[F, D]``; with
     ``out_in`` each of the four transposed, ``[out, in]`` (see :func:`choose_cpu_layout`);
     Qwen2's ``bqkv`` ``[(N + 2K) * H]`` (its q, k, v biases in the columns' order), Qwen3's
-    ``q_norm`` and ``k_norm`` ``[H]``. Built from :func:`fused_layer_arrays` once they are on
+    ``q_norm`` and ``k_norm`` ``[H]``. A mixture of experts has the stack's ``router``,
+    ``we_*`` and ``ws_*`` arrays (:func:`moe_mlp`) instead of ``w_gate_up`` and ``w_down``. Built from :func:`fused_layer_arrays` once they are on
     the device.
     """
 
@@ -379,6 +459,9 @@ class FusedLayer(nnx.Module):
         self.out_in = out_in
         for name, a in arrays.items():
             setattr(self, name, nnx.Param(a))
+
+
+_MOE_PARAMS = ("router", "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router")
 
 
 def fused_layer_arrays(stacked: DecoderLayer, i: int, *, out_in: bool = False) -> dict[str, np.ndarray]:
@@ -393,9 +476,12 @@ def fused_layer_arrays(stacked: DecoderLayer, i: int, *, out_in: bool = False) -
     arrays = {"input_norm": take("input_norm"),
               "wqkv": weight(np.concatenate([take(n).reshape(D, -1) for n in ("wq", "wk", "wv")], axis=1)),
               "wo": weight(take("wo").reshape(-1, D)),
-              "post_attn_norm": take("post_attn_norm"),
-              "w_gate_up": weight(np.concatenate([take("w_gate"), take("w_up")], axis=1)),
-              "w_down": weight(take("w_down"))}
+              "post_attn_norm": take("post_attn_norm")}
+    if hasattr(stacked, "router"):  # experts keep their layout (see moe_mlp)
+        arrays |= {n: take(n) for n in _MOE_PARAMS if hasattr(stacked, n)}
+    else:
+        arrays |= {"w_gate_up": weight(np.concatenate([take("w_gate"), take("w_up")], axis=1)),
+                   "w_down": weight(take("w_down"))}
     if hasattr(stacked, "bq"):
         arrays["bqkv"] = np.concatenate([take(n).reshape(-1) for n in ("bq", "bk", "bv")])
     if hasattr(stacked, "q_norm"):
@@ -565,6 +651,9 @@ class Llama(nnx.Module):
                 if lw is not None:
                     x = x + lora_deltas(lw, "o", o, prec)
                 h = rms_norm(x, p.post_attn_norm[...], eps)
+                if cfg.moe is not None:
+                    gather = T * cfg.moe.top_k <= MOE_GATHER_MAX_PAIRS_PER_EXPERT * cfg.moe.num_experts
+                    return x + moe_mlp(h, p, cfg.moe, prec, gather=gather)
                 if dp_axis is not None:
                     h = jax.lax.all_gather(h, dp_axis, tiled=True)
                 g, u = jnp.split(dot(h, p.w_gate_up[...]), 2, axis=1)
@@ -614,6 +703,8 @@ class Llama(nnx.Module):
                         x = x + lora_deltas(lw, "o", o.reshape(T, N * H), prec)
                 with jax.named_scope("mlp"):
                     h = rms_norm(x, p.post_attn_norm[...], eps)
+                    if cfg.moe is not None:
+                        return (x + moe_mlp(h, p, cfg.moe, prec, mesh=mesh), kv), None
                     g, u = matmul(h, p, ("w_gate", "w_up"), layer)  # "TD,DF->TF"
                     if lw is not None:
                         g, u = (t + d for t, d in zip((g, u), lora_deltas(lw, "gate_up", h, prec)))
@@ -694,9 +785,11 @@ def choose_cpu_layout(cfg: LlamaConfig, dtype, *, reps: int = 5) -> str:
 
 
 def _projection_shapes(cfg: LlamaConfig) -> tuple[tuple[int, int], ...]:
-    """``(in, out)`` of wqkv, wo, w_gate_up, w_down."""
+    """``(in, out)`` of wqkv, wo, w_gate_up, w_down (a mixture of experts: wqkv, wo, the
+    projections the layout applies to)."""
     D, H, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    return ((D, (cfg.num_heads + 2 * cfg.num_kv_heads) * H), (cfg.num_heads * H, D), (D, 2 * F), (F, D))
+    attention = ((D, (cfg.num_heads + 2 * cfg.num_kv_heads) * H), (cfg.num_heads * H, D))
+    return attention if cfg.moe is not None else attention + ((D, 2 * F), (F, D))
 
 
 def time_cpu_layouts(shapes, dtype, tokens, reps: int) -> dict[int, dict[str, float]]:

@@ -16,6 +16,10 @@ param (stacked over layers)   shape                    spec
 norms                         ``[L, D]``, ``[D]``      replicated
 ``bq``, ``bk``, ``bv``        ``[L, heads, H]``        ``P(None, "tp", None)`` (Qwen2)
 ``q_norm``, ``k_norm``        ``[L, H]``               replicated (Qwen3)
+``router``                    ``[L, D, E]``            replicated (Mixtral, Qwen-MoE)
+``we_gate``, ``we_up``        ``[L, E, D, F]``         ``P(None, None, None, "tp")`` column
+``we_down``                   ``[L, E, F, D]``         ``P(None, None, "tp", None)`` row
+``ws_*`` (shared expert)      as ``w_*``; ``[L, D]``   as the MLP's; its gate replicated
 KV pool ``k``, ``v``          ``[L, NB, KVH, BS, D]``  ``P(None, None, "tp")``
 ============================  =======================  ===================================
 
@@ -27,7 +31,9 @@ Collectives of one step (what the compiled HLO shows; ``tests/tp_cases.py`` chec
 
 - per layer, two all-reduces of the ``[T, D]`` activations: after the row-parallel
   ``wo`` and after ``w_down``. GSPMD inserts them where the contraction runs over the
-  sharded head or MLP axis;
+  sharded head or MLP axis; a mixture of experts runs under :func:`jax.shard_map` (each
+  device every expert's slice of the MLP width) and ends in its own all-reduce
+  (:func:`jaxpaged.model.moe_mlp`);
 - once per step, one all-reduce of ``[T, D]`` for the vocab-parallel embedding lookup
   (:func:`embed_tokens`) and one all-gather of the ``[S, V]`` logits
   (:func:`vocab_parallel_logits`); sampling runs replicated on the gathered logits;
@@ -103,13 +109,30 @@ _LAYER_SPECS = {
     # Qwen2's q/k/v biases [L, heads, H] go with their heads; Qwen3's q/k norms [L, H] are replicated.
     "bq": P(None, TP, None), "bk": P(None, TP, None), "bv": P(None, TP, None),
     "q_norm": P(), "k_norm": P(),
+    # A mixture of experts (jaxpaged.model.moe_mlp): each expert's MLP width sharded as the
+    # dense MLP's, the router replicated; Qwen2-MoE's shared expert as a dense MLP.
+    "router": P(), "we_gate": P(None, None, None, TP), "we_up": P(None, None, None, TP),
+    "we_down": P(None, None, TP, None),
+    "ws_gate": P(None, None, TP), "ws_up": P(None, None, TP), "ws_down": P(None, TP, None), "ws_router": P(),
 }
+_DENSE_MLP = ("w_gate", "w_up", "w_down")
+_MOE = ("router", "we_gate", "we_up", "we_down")
+_SHARED_EXPERT = ("ws_gate", "ws_up", "ws_down", "ws_router")
+
+
+def moe_local_spec(name: str) -> P:
+    """The spec of one layer's slice of the expert param ``name`` (its stack's, less the layer axis)."""
+    return P(*_LAYER_SPECS[name][1:])
+
+
+def _mlp_widths(cfg: LlamaConfig) -> tuple[int, ...]:
+    return (cfg.intermediate_size,) if cfg.moe is None else cfg.moe.widths
 
 
 def valid_tp_sizes(cfg: LlamaConfig) -> list[int]:
     """Sizes that split the KV heads (hence the query heads) and the MLP width evenly."""
     return [n for n in range(1, cfg.num_kv_heads + 1)
-            if cfg.num_kv_heads % n == 0 and cfg.intermediate_size % n == 0]
+            if cfg.num_kv_heads % n == 0 and all(w % n == 0 for w in _mlp_widths(cfg))]
 
 
 def request_cpu_devices(n: int) -> None:
@@ -179,9 +202,10 @@ def make_mesh(n: int, cfg: LlamaConfig) -> Mesh | None:
     Raises ``ValueError`` when ``n`` is not a valid size for the model or exceeds the devices.
     """
     check_tp_size(n)
-    if cfg.num_kv_heads % n or cfg.intermediate_size % n:
+    uneven = [w for w in _mlp_widths(cfg) if w % n]
+    if cfg.num_kv_heads % n or uneven:
         what = (f"the model's {cfg.num_kv_heads} KV heads" if cfg.num_kv_heads % n
-                else f"the model's MLP width {cfg.intermediate_size}")
+                else f"the model's {'expert ' if cfg.moe is not None else ''}MLP width {uneven[0]}")
         raise ValueError(f"tensor_parallel_size={n} does not divide {what}; valid sizes for this model: "
                          f"{', '.join(map(str, valid_tp_sizes(cfg)))}")
     if n == 1:
@@ -196,8 +220,11 @@ def vocab_parallel(cfg: LlamaConfig, n: int) -> bool:
 def param_specs(cfg: LlamaConfig, n: int) -> dict:
     """The ``PartitionSpec`` of every param, as a pure dict shaped like the model's params."""
     vocab = vocab_parallel(cfg, n)
-    layers = {name: spec for name, spec in _LAYER_SPECS.items()
-              if (name not in ("bq", "bk", "bv") or cfg.qkv_bias) and (name not in ("q_norm", "k_norm") or cfg.qk_norm)}
+    moe = cfg.moe
+    absent = (() if cfg.qkv_bias else ("bq", "bk", "bv")) + (() if cfg.qk_norm else ("q_norm", "k_norm")) + (
+        _MOE + _SHARED_EXPERT if moe is None else
+        _DENSE_MLP + (() if moe.shared_intermediate_size else _SHARED_EXPERT))
+    layers = {name: spec for name, spec in _LAYER_SPECS.items() if name not in absent}
     specs = {"embed": P(TP, None) if vocab else P(), "layers": layers, "final_norm": P()}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = P(None, TP) if vocab else P()

@@ -153,6 +153,37 @@ def make_tiny_qwen(folder, arch: str, *, tie: bool, seed: int = 0):
     return model
 
 
+# Mixtral (4 experts, 2 a token), Qwen2-MoE (8 experts, 2 a token, a shared expert, tied) and
+# Qwen3-MoE (8 experts, 3 a token, renormalised): the same attention as QWEN_SHAPES.
+MOE_ARCHS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False, tie_word_embeddings=True),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
+}
+
+
+def make_tiny_moe(folder, arch: str, *, seed: int = 0):
+    """A random mixture-of-experts model (:data:`MOE_ARCHS`) saved with save_pretrained, its norms
+    and biases randomised as :func:`make_tiny_qwen`'s. Returns the torch model."""
+    import torch
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+    torch.manual_seed(seed)
+    config, model_cls = {"mixtral": (MixtralConfig, MixtralForCausalLM),
+                         "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+                         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
+    shapes = {k: v for k, v in QWEN_SHAPES.items() if k != "intermediate_size"}
+    model = model_cls(config(**shapes, **MOE_ARCHS[arch])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model
+
+
 @pytest.fixture(scope="session", params=[(t, r) for t in (True, False) for r in (False, True)],
                 ids=["tied-default", "tied-llama3", "untied-default", "untied-llama3"])
 def tiny_hf(request, tmp_path_factory):
