@@ -32,6 +32,7 @@ from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backe
 from jaxpaged.config import LinearRopeScaling, LlamaConfig, MoeConfig, YarnRopeScaling
 from jaxpaged.kv_cache import KVPool, write_kv
 from jaxpaged.pallas.common import dot_precision, is_fp8_storage, kv_value_dtype
+from jaxpaged.pallas import moe_matmul
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
 
 
@@ -344,7 +345,12 @@ class DecoderLayer(nnx.Module):
 MOE_GATHER_MAX_PAIRS_PER_EXPERT = 1
 
 
-def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, gather: bool = False,
+# How moe_mlp runs the experts.
+MOE_IMPLS = ("grouped", "gather", "pallas")
+
+
+def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: str = "grouped",
+            stacks: tuple | None = None, layer=None, interpret: bool | None = None,
             mesh: Mesh | None = None) -> Float[Array, "T D"]:
     """A mixture-of-experts layer's MLP output for inputs ``h``: ``p`` holds this layer's
     ``router`` ``[D, E]``, ``we_gate`` and ``we_up`` ``[E, D, F]``, ``we_down`` ``[E, F, D]``
@@ -352,18 +358,27 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, gather: boo
     ``ws_router`` ``[D]`` (Qwen2-MoE).
 
     Routing follows Hugging Face's Mixtral and Qwen-MoE: a float32 softmax over the router's
-    logits, the ``top_k`` largest (renormalised if ``moe.norm_topk_prob``). The experts run
-    on the token-expert pairs sorted by expert with :func:`jax.lax.ragged_dot`, a grouped
-    matmul that XLA runs natively on GPU and TPU (each expert reads its weights once; XLA:CPU
-    expands it into every expert for every pair). ``gather``: instead each pair's expert
-    weights are gathered and multiplied with its token alone, which reads only the chosen
-    experts (the CPU form's choice for decode steps of few tokens). Each token's ``top_k``
-    outputs are summed in float32, in rank order, the same on every path.
+    logits, the ``top_k`` largest (renormalised if ``moe.norm_topk_prob``). ``experts`` picks
+    how the (token, expert) pairs run:
+
+    - ``"grouped"``: the pairs sorted by expert through :func:`jax.lax.ragged_dot`, a grouped
+      matmul that XLA runs natively on TPU (jax's CPU lowering expands it into every expert
+      for every pair);
+    - ``"gather"``: each pair's expert weights gathered and multiplied with its token alone,
+      which reads only the chosen experts (the CPU form's choice for decode steps of few
+      tokens);
+    - ``"pallas"``: the Triton kernel of :mod:`jaxpaged.pallas.moe_matmul` over ``stacks``
+      (the whole ``[L, E, ...]`` ``we_gate``, ``we_up``, ``we_down``), read in place at
+      ``layer`` (the stacked form's GPU path; ``interpret``: the Pallas interpreter, tests).
+
+    Each token's ``top_k`` outputs are summed in float32, in rank order, on every path.
 
     ``mesh``: under tensor parallelism the experts' (and shared expert's) MLP width is
     sharded over ``"tp"``; each device runs its slice of every expert inside ``shard_map``
     and one all-reduce sums the partial outputs (one per layer, as for a dense MLP).
     """
+    if experts not in MOE_IMPLS:
+        raise ValueError(f"experts={experts!r}: choose from {MOE_IMPLS}")
     names = ("router", "we_gate", "we_up", "we_down") + (
         ("ws_gate", "ws_up", "ws_down", "ws_router") if moe.shared_intermediate_size else ())
     weights = tuple(getattr(p, n)[...] for n in names)
@@ -373,15 +388,22 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, gather: boo
         T, k, E = h.shape[0], moe.top_k, moe.num_experts
         logits = jax.lax.dot_general(h, w["router"], (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
-        probs, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [T, k], largest first
+        probs, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [T, k], largest first
         if moe.norm_topk_prob:
             probs = probs / probs.sum(axis=-1, keepdims=True)
-        flat = experts.reshape(-1)  # pair t * k + j: token t's j-th expert
-        if gather:
+        flat = chosen.reshape(-1)  # pair t * k + j: token t's j-th expert
+        if experts == "gather":
             xs = jnp.repeat(h, k, axis=0)  # [T k, D]
             g = jnp.einsum("pd,pdf->pf", xs, w["we_gate"][flat], precision=precision)
             u = jnp.einsum("pd,pdf->pf", xs, w["we_up"][flat], precision=precision)
             y = jnp.einsum("pf,pfd->pd", jax.nn.silu(g) * u, w["we_down"][flat], precision=precision)
+        elif experts == "pallas":
+            plan = moe_matmul.align_to_tiles(flat, E, moe_matmul.default_block_t(T * k, E))
+            xs = jnp.where((plan.rows < T * k)[:, None], h[jnp.minimum(plan.rows, T * k - 1) // k], 0)
+            g, u, d = stacks
+            mm = functools.partial(moe_matmul.moe_matmul, layer=layer, tile_expert=plan.tile_expert,
+                                   interpret=interpret)
+            y = mm(jax.nn.silu(mm(xs, g)) * mm(xs, u), d)[plan.slot]  # back in pair order
         else:
             order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
             sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
@@ -402,8 +424,24 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, gather: boo
 
     if mesh is None:
         return local(h, *weights)
+    if experts == "pallas":
+        raise ValueError("moe_mlp: experts='pallas' runs on one device")
     specs = tuple(sharding.moe_local_spec(n) for n in names)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(),) + specs, out_specs=P())(h, *weights)
+
+
+def _moe_stacked(h, p, layers, layer, moe: MoeConfig, precision, *, kernel: bool, mesh: Mesh | None):
+    """The stacked form's expert MLP: under ``kernel`` (lowered for CUDA, one device, shapes the
+    kernel tiles) the Triton kernel reading the whole stacks, XLA's grouped matmul elsewhere."""
+    grouped = functools.partial(moe_mlp, p=p, moe=moe, precision=precision, mesh=mesh)
+    F, D = moe.intermediate_size, h.shape[-1]
+    if not kernel or mesh is not None or not moe_matmul.supports(D, F) or not moe_matmul.supports(F, D):
+        return grouped(h)
+    stacks = tuple(getattr(layers, n)[...] for n in ("we_gate", "we_up", "we_down"))
+    return jax.lax.platform_dependent(
+        h, stacks, layer, cuda=lambda h, stacks, layer: moe_mlp(h, p, moe, precision, experts="pallas",
+                                                               stacks=stacks, layer=layer, interpret=False),
+        default=lambda h, stacks, layer: grouped(h))
 
 
 # The LoRA modules (jaxpaged.lora.MODULES) each group of lora_deltas updates, by index.
@@ -653,7 +691,7 @@ class Llama(nnx.Module):
                 h = rms_norm(x, p.post_attn_norm[...], eps)
                 if cfg.moe is not None:
                     gather = T * cfg.moe.top_k <= MOE_GATHER_MAX_PAIRS_PER_EXPERT * cfg.moe.num_experts
-                    return x + moe_mlp(h, p, cfg.moe, prec, gather=gather)
+                    return x + moe_mlp(h, p, cfg.moe, prec, experts="gather" if gather else "grouped")
                 if dp_axis is not None:
                     h = jax.lax.all_gather(h, dp_axis, tiled=True)
                 g, u = jnp.split(dot(h, p.w_gate_up[...]), 2, axis=1)
@@ -682,8 +720,9 @@ class Llama(nnx.Module):
             (x, kv), _ = jax.lax.scan(fused_layer_fn, (x, kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
         else:
             layer_def, layer_state = nnx.split(self.layers)
-            matmul = _layer_matmuls(self.layers, prec, stacked=T <= STACKED_MAX_TOKENS and mesh is None
-                                    and resolve_backend(backend, "cuda") == "pallas_gpu")
+            stacked_kernels = (T <= STACKED_MAX_TOKENS and mesh is None
+                               and resolve_backend(backend, "cuda") == "pallas_gpu")
+            matmul = _layer_matmuls(self.layers, prec, stacked=stacked_kernels)
 
             def layer_fn(carry, xs):
                 x, kv = carry
@@ -704,7 +743,8 @@ class Llama(nnx.Module):
                 with jax.named_scope("mlp"):
                     h = rms_norm(x, p.post_attn_norm[...], eps)
                     if cfg.moe is not None:
-                        return (x + moe_mlp(h, p, cfg.moe, prec, mesh=mesh), kv), None
+                        return (x + _moe_stacked(h, p, self.layers, layer, cfg.moe, prec, kernel=stacked_kernels,
+                                                 mesh=mesh), kv), None
                     g, u = matmul(h, p, ("w_gate", "w_up"), layer)  # "TD,DF->TF"
                     if lw is not None:
                         g, u = (t + d for t, d in zip((g, u), lora_deltas(lw, "gate_up", h, prec)))

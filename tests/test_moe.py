@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import MOE_ARCHS, QWEN_SHAPES, make_tiny_moe
 from paged import step_metadata
 
@@ -20,6 +22,7 @@ from jaxpaged.config import LlamaConfig, MoeConfig
 from jaxpaged.kv_cache import init_kv_pool
 from jaxpaged.loader import CheckpointError, load_model
 from jaxpaged.model import moe_mlp
+from jaxpaged.pallas.moe_matmul import align_to_tiles, default_block_t, moe_matmul, num_tiles
 
 BS = 4
 
@@ -66,9 +69,9 @@ def numpy_moe(h, w, moe: MoeConfig):
 @pytest.mark.parametrize("norm", [True, False], ids=["renormalised", "raw-probs"])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
-    """The grouped product (ragged_dot over the pairs sorted by expert) and the gathered weights
-    give each token's own top-k sum, whatever the batch; tokens routed to no expert, experts that
-    get no token, several tokens sharing an expert."""
+    """The grouped product (ragged_dot over the pairs sorted by expert), the gathered weights and
+    the Triton kernel (interpreted) give each token's own top-k sum, whatever the batch: experts
+    that get no token, several tokens sharing an expert, runs longer than a tile (40 tokens)."""
     moe = MoeConfig(num_experts=6, top_k=2, intermediate_size=20, norm_topk_prob=norm, shared_intermediate_size=shared)
     D = 16
     rng = np.random.default_rng(tokens * 10 + norm + shared)
@@ -80,9 +83,57 @@ def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
     h = rng.standard_normal((tokens, D)).astype(np.float32)
     params = types.SimpleNamespace(**{k: jnp.asarray(v) for k, v in w.items()})
     want = numpy_moe(h, w, moe)
-    for gather in (False, True):
-        got = np.asarray(moe_mlp(jnp.asarray(h), params, moe, jax.lax.Precision.HIGHEST, gather=gather))
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"gather={gather}")
+    # The kernel reads layer 1 of stacks whose other layers are other weights.
+    stacks = tuple(jnp.stack([jnp.asarray(rng.standard_normal(w[n].shape), jnp.float32), jnp.asarray(w[n])])
+                   for n in ("we_gate", "we_up", "we_down"))
+    for experts in ("grouped", "gather", "pallas"):
+        got = np.asarray(moe_mlp(jnp.asarray(h), params, moe, jax.lax.Precision.HIGHEST, experts=experts,
+                                 stacks=stacks, layer=1, interpret=True))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=experts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 9), st.sampled_from([1, 2, 16]), st.data())
+def test_tile_plan_puts_every_pair_once_in_a_tile_of_its_expert(M, E, block_t, data):
+    experts = np.array(data.draw(st.lists(st.integers(0, E - 1), min_size=M, max_size=M)), np.int32)
+    plan = align_to_tiles(jnp.asarray(experts), E, block_t)
+    rows, tile_expert, slot = (np.asarray(a) for a in plan)
+    G = num_tiles(M, E, block_t)
+    assert rows.shape == (G * block_t,) and tile_expert.shape == (G,)
+    assert np.array_equal(rows[slot], np.arange(M))  # each pair in its slot, once
+    assert sorted(rows[rows < M]) == list(range(M)) and np.all(rows[rows >= M] == M)
+    assert np.array_equal(tile_expert[slot // block_t], experts)  # its tile is its expert's
+    used = tile_expert >= 0
+    assert np.all(used[:used.sum()])  # the used tiles first,
+    assert np.all(np.diff(tile_expert[used]) >= 0)  # in expert order, each expert's together
+    for e in range(E):  # each expert's run in pair order, as few tiles as its pairs need
+        assert np.array_equal(rows[np.sort(slot[experts == e])], np.flatnonzero(experts == e))
+        assert (tile_expert == e).sum() == -(-(experts == e).sum() // block_t)
+
+
+def test_kernel_in_bfloat16_and_for_cuda():
+    """The kernel on bfloat16 weights against a float32 product of the same values, and the
+    Triton lowering of a step's three launches (tiles of 16 rows for a decode step)."""
+    from jaxpaged.compat import abstract_gpu
+
+    rng = np.random.default_rng(0)
+    L, E, K, N, M = 2, 5, 64, 96, 23
+    experts = jnp.asarray(rng.integers(0, E, M), jnp.int32)
+    bt = default_block_t(M, E)
+    plan = align_to_tiles(experts, E, bt)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((L, E, K, N)) / 8, jnp.bfloat16)
+    xs = jnp.where((plan.rows < M)[:, None], x[jnp.minimum(plan.rows, M - 1)], 0)
+    got = np.asarray(moe_matmul(xs, w, 1, plan.tile_expert, interpret=True)[plan.slot], np.float32)
+    want = np.einsum("mk,mkn->mn", np.asarray(x, np.float32), np.asarray(w, np.float32)[1][np.asarray(experts)])
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=2e-2)
+    assert bt == 16 and default_block_t(2048, 8) == 64
+    with abstract_gpu():
+        hlo = jax.jit(lambda xs, w, te: moe_matmul(xs, w, 0, te, interpret=False)).trace(
+            xs, w, plan.tile_expert).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in hlo and "moe_matmul_t16_n32_k64" in hlo
+    with pytest.raises(ValueError, match="expected one dtype"):
+        moe_matmul(xs.astype(jnp.float32), w, 0, plan.tile_expert)
 
 
 # ---- the model and the engine -----------------------------------------------------------
@@ -239,9 +290,10 @@ def test_sleep_and_update_weights_keep_the_experts(tiny_moe):
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "ragged"])
-def test_step_lowers_with_a_native_grouped_matmul(platform, decode):
-    """On TPU and GPU the experts run as XLA's ragged dot (three a layer: gate, up, down) beside
-    the platform's attention kernel, the pool still donated; on CPU jax expands it into dots."""
+def test_step_lowers_with_a_grouped_matmul(platform, decode):
+    """On TPU the experts run as XLA's ragged dot (three a layer: gate, up, down), on GPU as
+    three launches of the Triton kernel reading the stacks in place (no ragged dot left), beside
+    the platform's attention kernel, the pool still donated; on CPU jax expands the ragged dot."""
     import jaxpaged.runner
     from test_backends import EXPECTED, TINY, kernels_in, lower, step_args
 
@@ -250,6 +302,7 @@ def test_step_lowers_with_a_native_grouped_matmul(platform, decode):
     forward = jaxpaged.runner.StepPrograms().forward
     hlo = lower(forward, *step_args(decode, cfg=cfg), platform=platform)
     assert kernels_in(hlo) == EXPECTED[platform]
-    assert hlo.count('"chlo.ragged_dot"(') == 3
+    ragged, kernel = hlo.count('"chlo.ragged_dot"('), hlo.count("call @_moe_matmul(")
+    assert (ragged, kernel) == ((3, 0) if platform == "tpu" else (0, 3))
     assert hlo.count("tf.aliasing_output") == 2
     assert "ragged_dot" not in lower(forward, *step_args(decode, cfg=cfg), platform="cpu")

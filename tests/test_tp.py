@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import make_tiny_qwen, make_tiny_tp_hf
+from conftest import make_tiny_moe, make_tiny_qwen, make_tiny_tp_hf
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged import LLM, sharding
@@ -48,12 +48,20 @@ def tiny_qwens(tmp_path_factory):
     return folders
 
 
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A Qwen2-MoE (experts and a shared expert to shard)."""
+    folder = tmp_path_factory.mktemp("qwen2_moe")
+    make_tiny_moe(folder, "qwen2_moe")
+    return folder
+
+
 @pytest.mark.long
-def test_cases_on_four_cpu_devices(tiny_tp, tiny_qwens):
+def test_cases_on_four_cpu_devices(tiny_tp, tiny_qwens, tiny_moe):
     """tp = 1, 2, 4 on a tiny model and tp = 1, 3 on the default model: same tokens and
     logits, the step's collectives, 1/N memory, errors (see tests/tp_cases.py)."""
     env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXPAGED_TP_TINY=str(tiny_tp),
-                    JAXPAGED_TP_QWEN=os.pathsep.join(map(str, tiny_qwens)))
+                    JAXPAGED_TP_QWEN=os.pathsep.join(map(str, tiny_qwens)), JAXPAGED_TP_MOE=str(tiny_moe))
     proc = subprocess.run([sys.executable, "-m", "pytest", str(TESTS / "tp_cases.py"), "-q", "-p", "no:cacheprovider"],
                           env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, \

@@ -181,6 +181,56 @@ def test_qwen_logits_and_embeddings_match_one_device(tiny_qwen):
         np.testing.assert_allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A Qwen2-MoE (8 experts, 2 a token, a shared expert): built by the parent test, or now."""
+    folder = os.environ.get("JAXPAGED_TP_MOE")
+    if folder:
+        return folder
+    from conftest import make_tiny_moe
+
+    folder = tmp_path_factory.mktemp("qwen2_moe")
+    make_tiny_moe(folder, "qwen2_moe")
+    return folder
+
+
+def test_moe_on_two_devices_matches_one(tiny_moe):
+    """Every expert's (and the shared expert's) MLP width split over two devices: one device's
+    logits and greedy tokens, straight through the model and through the engine, and one
+    all-reduce for the experts in each layer, as for a dense MLP."""
+    lm = load_model(tiny_moe)
+    assert lm.config.moe.shared_intermediate_size
+    _, want_tokens, want = greedy_logits(lm.model)
+    sharded = load_model(tiny_moe, tensor_parallel_size=2).model
+    for name, axis in (("we_gate", 3), ("we_up", 3), ("we_down", 2), ("ws_gate", 2), ("ws_up", 2), ("ws_down", 1),
+                       ("router", None), ("ws_router", None)):
+        x = getattr(sharded.layers, name)[...]
+        shard = list(x.shape)
+        if axis is not None:
+            shard[axis] //= 2
+        assert x.addressable_shards[0].data.shape == tuple(shard), name
+    _, tokens, got = greedy_logits(sharded)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    for step, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0, err_msg=f"step {step}")
+
+    cfg, mesh = sharded.cfg, sharded.mesh
+    graphdef, state = nnx.split(sharded)
+    kv = init_kv_pool(cfg.num_layers, 1 + 3 * 8, cfg.num_kv_heads, BS, cfg.head_dim,
+                      device=sharding.pool_sharding(mesh))
+    md = step_metadata([5, 9, 2], [1] * 3, block_size=BS, blocks_per_seq=8)
+    step = jax.jit(lambda state, tokens, kv, md: nnx.merge(graphdef, state)(tokens, kv, md))
+    ops = collectives(step.lower(state, np.zeros(3, np.int32), kv, md).compile().as_text())
+    in_layers = sorted((k, s, "attention" if "/attention/" in n else "mlp" if "/mlp/" in n else n)
+                       for k, s, n in ops if "/while/body/" in n)
+    assert in_layers == [("all-reduce", (3, cfg.hidden_size), "attention"),
+                         ("all-reduce", (3, cfg.hidden_size), "mlp")], ops
+
+    prompts = [p for p in PROMPTS if max(p) < cfg.vocab_size]
+    one, two = LLM(lm, **ENGINE), LLM(tiny_moe, tensor_parallel_size=2, **ENGINE)
+    assert_same_outputs(two.generate(prompts, GREEDY, use_tqdm=False), one.generate(prompts, GREEDY, use_tqdm=False))
+
+
 def test_swap_preemption_keeps_the_pool_sharded(tiny, engines):
     """A pool too small for both sequences: one is swapped out to host memory and back."""
     llm = LLM(tiny, tensor_parallel_size=2, block_size=4, num_blocks=18, max_num_batched_tokens=16,
