@@ -89,8 +89,8 @@ def main() -> None:
         ref = "single stream, base model" if case.startswith("single") else "base model"
         rows.append([case, len(cases[case][1]), med[case], med[case] / med[ref],
                      " / ".join(f"{r:.1f}" for r in rates[case])])
-    print(table(f"LoRA cost: {args.num_requests} x ({args.prompt_len} + {args.output_len}) tokens, rank {args.rank}, "
-                f"median of {args.reps}", ["workload", "requests", "generated tok/s", "vs base", "runs"], rows))
+    table(f"LoRA cost: {args.num_requests} x ({args.prompt_len} + {args.output_len}) tokens, rank {args.rank}, "
+          f"median of {args.reps}", ["workload", "requests", "generated tok/s", "vs base", "runs"], rows)
 
 
 if __name__ == "__main__":

@@ -69,9 +69,10 @@ def numpy_moe(h, w, moe: MoeConfig):
 @pytest.mark.parametrize("norm", [True, False], ids=["renormalised", "raw-probs"])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
-    """The grouped product (ragged_dot over the pairs sorted by expert), the gathered weights and
-    the Triton kernel (interpreted) give each token's own top-k sum, whatever the batch: experts
-    that get no token, several tokens sharing an expert, runs longer than a tile (40 tokens)."""
+    """The grouped product (ragged_dot over the pairs sorted by expert), the Triton kernel
+    (interpreted) and the CPU form's loop over each expert's arrays give each token's own top-k
+    sum, whatever the batch: experts that get no token, several tokens sharing an expert, runs
+    longer than a tile or a chunk (40 tokens)."""
     moe = MoeConfig(num_experts=6, top_k=2, intermediate_size=20, norm_topk_prob=norm, shared_intermediate_size=shared)
     D = 16
     rng = np.random.default_rng(tokens * 10 + norm + shared)
@@ -81,12 +82,14 @@ def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
     w = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-2] if len(s) > 1 else D) for k, s in shapes.items()}
     w["router"] *= 4  # sharp routing: the top-k is not a near tie that float32 could flip
     h = rng.standard_normal((tokens, D)).astype(np.float32)
-    params = types.SimpleNamespace(**{k: jnp.asarray(v) for k, v in w.items()})
+    own = {f"we_gate_up_{e}": np.concatenate([w["we_gate"][e], w["we_up"][e]], axis=1) for e in range(6)}
+    own |= {f"we_down_{e}": w["we_down"][e] for e in range(6)}  # the CPU form's arrays
+    params = types.SimpleNamespace(**{k: jnp.asarray(v) for k, v in (w | own).items()})
     want = numpy_moe(h, w, moe)
     # The kernel reads layer 1 of stacks whose other layers are other weights.
     stacks = tuple(jnp.stack([jnp.asarray(rng.standard_normal(w[n].shape), jnp.float32), jnp.asarray(w[n])])
                    for n in ("we_gate", "we_up", "we_down"))
-    for experts in ("grouped", "gather", "pallas"):
+    for experts in ("grouped", "per_expert", "pallas"):
         got = np.asarray(moe_mlp(jnp.asarray(h), params, moe, jax.lax.Precision.HIGHEST, experts=experts,
                                  stacks=stacks, layer=1, interpret=True))
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=experts)
@@ -154,9 +157,9 @@ def test_config_reads_each_architectures_experts(tiny_moe):
 
 @pytest.mark.parametrize("form", ["stacked", "in_out", "out_in"])
 def test_prefill_then_decode_match_hf(tiny_moe, form):
-    """Two sequences prefilled in one step (the grouped product), then decoded a token a step
-    (the CPU form gathers the chosen experts' weights there), in the stacked form (GPU, TPU,
-    tensor parallelism) and the CPU form in both weight layouts."""
+    """Two sequences prefilled in one step, then decoded a token a step, in the stacked form
+    (ragged_dot: GPU, TPU, tensor parallelism) and the CPU form (a loop over each expert's
+    arrays) in both weight layouts."""
     arch, folder, hf = tiny_moe
     lm = load_model(folder, dtype=np.float32, attention_backend="xla")
     model = lm.model if form == "stacked" else lm.model.unstacked(form)
@@ -179,8 +182,8 @@ def test_prefill_then_decode_match_hf(tiny_moe, form):
 
 
 def test_engine_greedy_tokens_and_logprobs_match_hf(tiny_moe):
-    """Greedy tokens through the engine (chunked prefill, decode batches of 1-4 rows: both expert
-    paths of the CPU form) are transformers' model's, each token's logprob its log-softmax."""
+    """Greedy tokens through the engine (chunked prefill, decode batches of 1-4 rows) are
+    transformers' model's, each token's logprob its log-softmax."""
     arch, folder, hf = tiny_moe
     llm = LLM(load_model(folder, dtype=np.float32), num_blocks=64, block_size=BS, max_num_batched_tokens=16,
               debug_checks=True)
