@@ -40,6 +40,8 @@ Run where ``jax.default_backend() == "gpu"``. What it prints, in one process:
    each timed and traced: the step's period, the device's busy time, its floor (weights +
    KV at the measured bandwidth) and its kernels by time (``--decode-small-grid 0``: the
    decode kernel splits only long tables, the rule before the twenty-fourth session).
+9. ``--only moe``: one mixture-of-experts layer (Qwen3-30B-A3B's and Mixtral-8x7B's shapes),
+   the Triton kernel of ``pallas/moe_matmul.py`` against XLA's ragged dot, by tokens per step.
 
 Timings: a call is dispatched ``n`` times back to back and the device drained once, so
 host dispatch overlaps device work; the median of 5 such rounds after a warm-up. Writes
@@ -631,6 +633,65 @@ def matmul_table(tokens=(16, 64, 256, 512, 1024, 2048), sweep: bool = False, bud
     return rows
 
 
+def moe_table(tokens=(1, 8, 64, 256, 1024, 4096), quick: bool = False) -> list[dict]:
+    """One layer's experts (routing, gate, up, down, the weighted sum) at Qwen3-30B-A3B's shapes
+    (2,048 wide, 128 experts of 768, 8 a token) and Mixtral-8x7B's (4,096, 8 of 14,336, 2), bf16,
+    random weights and a random router: the Triton kernel reading a 2-layer expert stack in place
+    (``moe_mlp(experts="pallas")``, what a CUDA step runs) against XLA's ragged dot over the
+    layer's slice of it (``"grouped"``), device time per call (:func:`looped`), and the weights
+    of the experts the tokens chose over that time. A shape XLA cannot run (its ragged dot
+    expanded into every expert, out of memory) prints its error. ``quick``: a tiny layer, in the
+    Pallas interpreter off a GPU (the code path only)."""
+    import types
+
+    from jaxpaged.config import MoeConfig
+    from jaxpaged.model import moe_mlp
+
+    print("\n## Mixture of experts, one layer: the Triton kernel vs XLA's ragged dot, bf16")
+    shapes = (("qwen3-30b-a3b", 2048, MoeConfig(128, 8, 768, True)), ("mixtral-8x7b", 4096, MoeConfig(8, 2, 14336, True)))
+    if quick:
+        shapes, tokens = (("tiny", 64, MoeConfig(8, 2, 32, True)),), (1, 16)
+    interpret = jax.default_backend() != "gpu"
+    reps = 2 if interpret else 10
+    layer = jax.device_put(jnp.int32(1))
+    rows = []
+    for name, D, moe in shapes:
+        E, F = moe.num_experts, moe.intermediate_size
+        keys = jax.random.split(jax.random.key(0), 4)
+        stacks = tuple((jax.random.normal(k, shape, jnp.float32) / np.sqrt(shape[-2])).astype(jnp.bfloat16)
+                       for k, shape in zip(keys, ((2, E, D, F), (2, E, D, F), (2, E, F, D))))
+        router = (jax.random.normal(keys[3], (D, E), jnp.float32) / np.sqrt(D)).astype(jnp.bfloat16)
+
+        def call(impl):
+            def f(x, stacks, layer):
+                p = types.SimpleNamespace(router=router, **{n: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+                                                            for n, w in zip(("we_gate", "we_up", "we_down"), stacks)})
+                return (moe_mlp(x, p, moe, None, experts=impl, stacks=stacks, layer=layer, interpret=interpret),)
+            return f
+
+        for T in tokens:
+            x = jax.random.normal(jax.random.key(T), (T, D), jnp.float32).astype(jnp.bfloat16)
+            logits = np.asarray(x.astype(jnp.float32) @ router.astype(jnp.float32))
+            chosen = len(np.unique(np.argsort(-logits, axis=1)[:, :moe.top_k]))
+            weight_bytes = chosen * 3 * D * F * 2
+            out, line = {}, []
+            for impl in ("pallas", "grouped"):
+                try:
+                    out[impl] = np.asarray(jax.jit(call(impl))(x, stacks, layer)[0], np.float32)
+                    us = per_call(looped(call(impl), reps), x, stacks, layer, n=1 if interpret else 3,
+                                  rounds=1 if interpret else 5) * 1e6 / reps
+                except Exception as e:  # noqa: BLE001 - XLA's expansion out of memory, say
+                    line.append(f"{impl}: {type(e).__name__} {str(e)[:60]}")
+                    continue
+                rows.append({"shape": name, "T": T, "impl": impl, "us": us, "experts_read": chosen,
+                             "weight_tb_s": weight_bytes / us / 1e6})
+                line.append(f"{impl} {us:.0f} us ({weight_bytes / us / 1e6:.2f} TB/s of chosen weights)")
+            if len(out) == 2:
+                line.append(f"max |diff| {float(np.max(np.abs(out['pallas'] - out['grouped']))):.1e}")
+            print(f"  {name:<14} T={T:>5} experts read {chosen:>3}: " + " | ".join(line), flush=True)
+    return rows
+
+
 def use_fastest_tiles(rows: list[dict]):
     """Make the sweep's fastest kernel configuration per (tokens, K, N) the stacked matmul's
     default for the rest of this process (the llama8b run after it), so one device call
@@ -931,7 +992,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("decode", "tune", "block-size", "prefill", "mixed", "engine", "llama8b",
-                                       "decode-profile", "matmul"),
+                                       "decode-profile", "matmul", "moe"),
                     action="append")
     ap.add_argument("--num-requests", type=int, default=1000, help="llama8b: requests of the workload")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="llama8b")
@@ -971,7 +1032,7 @@ def main():
     args = ap.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or ("1GiB" if args.quick else "24GiB")
     if jax.default_backend() != "gpu" and not (args.quick and set(args.only or ()) <= {"llama8b", "matmul", "mixed",
-                                                                                 "decode-profile"}):
+                                                                                 "decode-profile", "moe"}):
         raise SystemExit(f"bench_gpu needs a GPU; jax runs on {jax.default_backend()}")
     dev = jax.devices()[0]
     if args.no_split_k:
@@ -1031,6 +1092,8 @@ def main():
                                         args.matmul_budget_s, args.quick)
         if args.use_fastest_tiles:
             report["tuned_tiles"], restore_tiles = use_fastest_tiles(report["matmul"])
+    if "moe" in only:
+        report["moe"] = moe_table(quick=args.quick)
     if "decode-profile" in only:
         report["decode_profile"] = decode_profile_table(args, bw)
     if "llama8b" in only:

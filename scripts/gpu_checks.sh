@@ -3,12 +3,13 @@
 #
 #   bash scripts/gpu_checks.sh native mosaic mixed matmul engine-ab
 #
-# native   : every native Pallas kernel test, float8 pools too (8 pytest workers sharing the GPU, so the
-#            Triton compilations run side by side; ~90 s on an H100)
+# native   : every native Pallas kernel test, float8 pools and the experts' kernel too (8 pytest
+#            workers sharing the GPU, so the Triton compilations run side by side; ~90 s on an H100)
 # mosaic   : the compiled Mosaic GPU stacked matmul against XLA's matmul at Llama-3-8B shapes
 # mixed    : bench_gpu --only mixed (a busy mixed step's attention, every way, incl. the
 #            longest-first block order)
 # matmul   : bench_gpu --only matmul at 128-2,048 tokens (Triton, Mosaic GPU and XLA)
+# moe      : bench_gpu --only moe (one mixture-of-experts layer: the Triton kernel vs XLA's ragged dot)
 # tune     : bench_gpu --only tune (decode and ragged kernel knobs at the engine's shapes)
 # profile  : bench_gpu --only decode-profile (decode steps of 4-256 sequences, traced)
 # engine-ab: --only llama8b --lean, the defaults then each opt-in switch in $AB (default:
@@ -40,13 +41,14 @@ for stage in "$@"; do
     case $stage in
         native)
             XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider \
-                tests/test_kernels.py tests/test_kv_fp8.py -k "Native or native" 2>&1 | grep -v -E "$quiet" | tail -15 \
+                tests/test_kernels.py tests/test_kv_fp8.py tests/test_moe.py -k "Native or native" 2>&1 | grep -v -E "$quiet" | tail -15 \
                 | tee "$out/native.txt" ;;
         mosaic)
             timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_stacked_matmul.py -k mosaic_native 2>&1 \
                 | grep -v -E "$quiet" | tail -25 | tee "$out/mosaic.txt" ;;
         mixed) bench mixed --only mixed ;;
         matmul) bench matmul --only matmul --matmul-tokens 128,256,512,1024,2048 ;;
+        moe) bench moe --only moe ;;
         tune) bench tune --only tune ;;
         profile) bench profile --only decode-profile ;;
         engine-ab)

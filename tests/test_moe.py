@@ -114,23 +114,57 @@ def test_tile_plan_puts_every_pair_once_in_a_tile_of_its_expert(M, E, block_t, d
         assert (tile_expert == e).sum() == -(-(experts == e).sum() // block_t)
 
 
-def test_kernel_in_bfloat16_and_for_cuda():
-    """The kernel on bfloat16 weights against a float32 product of the same values, and the
-    Triton lowering of a step's three launches (tiles of 16 rows for a decode step)."""
+class TestMoeKernel:
+    """The Triton kernel, interpreted here; natively on a GPU (``TestMoeKernelNative``)."""
+
+    INTERPRET = True
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize("M", [3, 23, 300])
+    def test_rows_times_their_experts_weights(self, M, dtype):
+        """Each pair's row times its expert's weights of the layer asked for, padding rows and
+        unused tiles zero, against a float32 product of the same values."""
+        rng = np.random.default_rng(M)
+        L, E, K, N = 2, 5, 64, 96
+        experts = jnp.asarray(rng.integers(0, E, M), jnp.int32)
+        plan = align_to_tiles(experts, E, default_block_t(M, E))
+        x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+        w = jnp.asarray(rng.standard_normal((L, E, K, N)) / 8, dtype)
+        xs = jnp.where((plan.rows < M)[:, None], x[jnp.minimum(plan.rows, M - 1)], 0)
+        y = np.asarray(moe_matmul(xs, w, 1, plan.tile_expert, interpret=self.INTERPRET), np.float32)
+        want = np.einsum("mk,mkn->mn", np.asarray(x, np.float32), np.asarray(w, np.float32)[1][np.asarray(experts)])
+        tol = dict(atol=2e-4, rtol=1e-5) if dtype == jnp.float32 else dict(atol=3e-2, rtol=2e-2)
+        np.testing.assert_allclose(y[np.asarray(plan.slot)], want, **tol)
+        assert not y[np.asarray(plan.rows) == M].any()  # padding rows and unused tiles
+
+    def test_expert_layer_against_a_per_token_loop(self):
+        moe = MoeConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True)
+        rng = np.random.default_rng(4)
+        D = 64
+        w = {"router": 2 * rng.standard_normal((D, 8)) / 8, "we_gate": rng.standard_normal((8, D, 32)) / 8,
+             "we_up": rng.standard_normal((8, D, 32)) / 8, "we_down": rng.standard_normal((8, 32, D)) / 6}
+        w = {k: v.astype(np.float32) for k, v in w.items()}
+        h = rng.standard_normal((37, D)).astype(np.float32)
+        stacks = tuple(jnp.asarray(w[n])[None] for n in ("we_gate", "we_up", "we_down"))
+        got = moe_mlp(jnp.asarray(h), types.SimpleNamespace(**{k: jnp.asarray(v) for k, v in w.items()}), moe,
+                      jax.lax.Precision.HIGHEST, experts="pallas", stacks=stacks, layer=0, interpret=self.INTERPRET)
+        np.testing.assert_allclose(np.asarray(got), numpy_moe(h, w, moe), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the native kernel needs a GPU")
+class TestMoeKernelNative(TestMoeKernel):
+    INTERPRET = False
+
+
+def test_kernel_lowers_for_cuda_and_checks_its_inputs():
+    """The Triton lowering of a launch (tiles of 16 rows for a decode step's few pairs)."""
     from jaxpaged.compat import abstract_gpu
 
-    rng = np.random.default_rng(0)
-    L, E, K, N, M = 2, 5, 64, 96, 23
-    experts = jnp.asarray(rng.integers(0, E, M), jnp.int32)
-    bt = default_block_t(M, E)
-    plan = align_to_tiles(experts, E, bt)
-    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((L, E, K, N)) / 8, jnp.bfloat16)
-    xs = jnp.where((plan.rows < M)[:, None], x[jnp.minimum(plan.rows, M - 1)], 0)
-    got = np.asarray(moe_matmul(xs, w, 1, plan.tile_expert, interpret=True)[plan.slot], np.float32)
-    want = np.einsum("mk,mkn->mn", np.asarray(x, np.float32), np.asarray(w, np.float32)[1][np.asarray(experts)])
-    np.testing.assert_allclose(got, want, atol=3e-2, rtol=2e-2)
-    assert bt == 16 and default_block_t(2048, 8) == 64
+    M, E = 23, 5
+    plan = align_to_tiles(jnp.asarray(np.arange(M) % E, jnp.int32), E, default_block_t(M, E))
+    xs = jnp.zeros((plan.rows.shape[0], 64), jnp.bfloat16)
+    w = jnp.zeros((2, E, 64, 96), jnp.bfloat16)
+    assert default_block_t(M, E) == 16 and default_block_t(2048, 8) == 64
     with abstract_gpu():
         hlo = jax.jit(lambda xs, w, te: moe_matmul(xs, w, 0, te, interpret=False)).trace(
             xs, w, plan.tile_expert).lower(lowering_platforms=("cuda",)).as_text()
