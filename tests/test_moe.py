@@ -65,9 +65,9 @@ def numpy_moe(h, w, moe: MoeConfig):
     return out
 
 
-@pytest.mark.parametrize("shared", [0, 24], ids=["routed", "shared-expert"])
-@pytest.mark.parametrize("norm", [True, False], ids=["renormalised", "raw-probs"])
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens, norm, shared", [(1, True, 0), (3, False, 24), (40, True, 24), (40, False, 0)],
+                         ids=["1-renormalised", "3-raw-probs-shared-expert", "40-renormalised-shared-expert",
+                              "40-raw-probs"])
 def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
     """The grouped product (ragged_dot over the pairs sorted by expert), the Triton kernel
     (interpreted) and the CPU form's loop over each expert's arrays give each token's own top-k
@@ -95,7 +95,7 @@ def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=experts)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.integers(1, 70), st.integers(1, 9), st.sampled_from([1, 2, 16]), st.data())
 def test_tile_plan_puts_every_pair_once_in_a_tile_of_its_expert(M, E, block_t, data):
     experts = np.array(data.draw(st.lists(st.integers(0, E - 1), min_size=M, max_size=M)), np.int32)
