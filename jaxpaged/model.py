@@ -31,8 +31,8 @@ from jaxpaged import hugepages, sharding
 from jaxpaged.attention import AttentionMetadata, paged_attention, resolve_backend
 from jaxpaged.config import LinearRopeScaling, LlamaConfig, MoeConfig, YarnRopeScaling
 from jaxpaged.kv_cache import KVPool, write_kv
-from jaxpaged.pallas.common import dot_precision, is_fp8_storage, kv_value_dtype
 from jaxpaged.pallas import moe_matmul
+from jaxpaged.pallas.common import dot_precision, is_fp8_storage, kv_value_dtype
 from jaxpaged.pallas.stacked_matmul import grouped_stacked_matmul, supports
 
 
@@ -340,8 +340,6 @@ class DecoderLayer(nnx.Module):
             self.k_norm = nnx.Param(jnp.ones((H,), dtype))
 
 
-
-
 # How moe_mlp runs the experts.
 MOE_IMPLS = ("grouped", "per_expert", "pallas")
 
@@ -379,7 +377,8 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: st
     E = moe.num_experts
     routed = (tuple(f"we_gate_up_{e}" for e in range(E)) + tuple(f"we_down_{e}" for e in range(E))
               if experts == "per_expert" else ("we_gate", "we_up", "we_down"))
-    names = ("router",) + routed + (("ws_gate", "ws_up", "ws_down", "ws_router") if moe.shared_intermediate_size else ())
+    shared = ("ws_gate", "ws_up", "ws_down", "ws_router") if moe.shared_intermediate_size else ()
+    names = ("router",) + routed + shared
     weights = tuple(getattr(p, n)[...] for n in names)
 
     def local(h, *weights):
@@ -429,18 +428,20 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: st
 
 def _experts_in_chunks(h, flat, k: int, weights: list, dot):
     """The outputs ``[M, D]`` of the pairs routed to experts ``flat`` (pair ``m``: token
-    ``m // k``): the pairs sorted by expert, each expert's run in chunks of C rows (the mean
-    pairs per expert, a power of two), one ``while`` loop per expert reading its own arrays
-    (``weights[e]``: gate/up ``[D, 2F]``, down ``[F, D]``, as ``dot(x, w)`` takes them) where they lie. A chunk running past
-    its expert's run writes rows that the next experts overwrite (they run after it) or the C
-    rows of padding. An expert no token chose costs its loop's one test and reads nothing.
+    ``m // k``): the pairs sorted by expert, each expert's run cut into chunks of C rows (the
+    mean pairs per expert, a power of two), and one ``while`` loop over the chunks, in expert
+    order, each through a ``lax.switch`` to its expert's branch, which reads that expert's own
+    arrays where they lie (``weights[e]``: gate/up ``[D, 2F]`` and down ``[F, D]``, as ``dot(x,
+    w)`` takes them). An expert no token chose is never visited. A chunk running past its
+    expert's run writes rows that a later expert's chunks overwrite (they run after it) or the
+    C rows of padding.
 
     Why on CPU: XLA:CPU copies a slice of a stacked ``[E, ...]`` array before a dot (static
-    or not), and expands ``ragged_dot`` into every expert for every pair. The default model's
-    attention with 8 experts of 768 (2 a token) in its MLP, the decode forward at 1 / 8 / 48
-    rows on a 2-vCPU Intel Xeon (``scripts/bench_moe.py``): 41 / 170 / 337 ms this way, 52 /
-    459 / 2,867 with each pair's weights gathered, 197 / 407 / 1,001 through ``ragged_dot``,
-    162 / 286 / 565 looping over static slices of the stacks."""
+    or not), and jax expands ``ragged_dot`` into every expert for every pair. The default
+    model's attention with 8 experts of 768 (2 a token) in its MLP, the decode forward at 1 /
+    8 / 48 rows on a 2-vCPU Intel Xeon (``scripts/bench_moe.py``): 29 / 141 / 351 ms this way,
+    52 / 459 / 2,867 with each pair's weights gathered, 197 / 407 / 1,001 through
+    ``ragged_dot``, 162 / 286 / 565 looping over static slices of the stacks."""
     E = len(weights)
     M = flat.shape[0]
     C = min(64, 1 << max(0, (-(-M // E) - 1).bit_length()))
@@ -527,9 +528,10 @@ class FusedLayer(nnx.Module):
     ``w_gate_up`` ``[D, 2F]`` (the gate's columns first), ``w_down`` ``[F, D]``; with
     ``out_in`` each of the four transposed, ``[out, in]`` (see :func:`choose_cpu_layout`);
     Qwen2's ``bqkv`` ``[(N + 2K) * H]`` (its q, k, v biases in the columns' order), Qwen3's
-    ``q_norm`` and ``k_norm`` ``[H]``. A mixture of experts has the stack's ``router``,
-    ``we_*`` and ``ws_*`` arrays (:func:`moe_mlp`) instead of ``w_gate_up`` and ``w_down``. Built from :func:`fused_layer_arrays` once they are on
-    the device.
+    ``q_norm`` and ``k_norm`` ``[H]``. A mixture of experts has, instead of ``w_gate_up`` and
+    ``w_down``, each expert's ``we_gate_up_{e}`` ``[D, 2F]`` and ``we_down_{e}`` ``[F, D]``
+    (transposed with ``out_in``), the ``router`` and, with a shared expert, the stack's ``ws_*``
+    arrays (:func:`moe_mlp`). Built from :func:`fused_layer_arrays` once they are on the device.
     """
 
     def __init__(self, arrays: dict, *, out_in: bool = False):

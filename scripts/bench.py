@@ -386,11 +386,11 @@ def llama_tables(w: Workload, jp: RunResult, out: dict) -> None:
           ["system", "precision", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "tokens as asked",
            "llama.cpp / jaxpaged", "same first 16 tokens"], rows,
           notes + [f"llama.cpp build {Path(first['server'][0]).parent}, CPU flags {cpu_flags()}; continuous "
-             "batching, cache_prompt false",
-             "tokens as asked: requests that generated exactly max_tokens (llama.cpp's tokens_predicted)",
-             "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's "
-             "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
-             "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
+                   "batching, cache_prompt false",
+                   "tokens as asked: requests that generated exactly max_tokens (llama.cpp's tokens_predicted)",
+                   "same first 16 tokens: fraction of requests whose first 16 greedy tokens equal jaxpaged's "
+                   "(llama.cpp's ignore_eos bans EOS; jaxpaged's only does not stop on it)",
+                   "llama.cpp spins its threads: another process on a core slows it far more than jaxpaged"])
     floor = ss["read_floor_tok_s"]
     rows = [["jaxpaged", precision, jp1["decode_tok_s"], 1e3 / jp1["decode_tok_s"],
              jp1["decode_tok_s"] / floor, " ".join(f"{r:.1f}" for r in jp1["decode_tok_s_runs"]), jp1["as_asked"],
@@ -442,8 +442,8 @@ def engine_table(results: list[RunResult], title: str) -> None:
                                                                  s["slowest_steps"][0]["max_context"])
                      if s["slowest_steps"] else "-"])
     table(title, ["run", "reqs", "gen tok", "wall s", "gen tok/s", "total tok/s", "req/s", "steps",
-            "KV util @peak", "peak blocks", "max running", "preempt", "new shapes / XLA compiles",
-            "sched s", "batch s", "device s", "post s", "host %", "decode step ms p50", "slowest step"], rows,
+                  "KV util @peak", "peak blocks", "max running", "preempt", "new shapes / XLA compiles",
+                  "sched s", "batch s", "device s", "post s", "host %", "decode step ms p50", "slowest step"], rows,
           ["KV util @peak: tokens stored / slots allocated at the step that used the most blocks",
            "new shapes / XLA compiles: step shapes first seen / backend compilations during the run "
            "(the timed run must show 0 / 0)",
@@ -471,8 +471,8 @@ def roofline_table(results: list[RunResult], cost: ModelCost, ceil: dict) -> lis
                      f"{dec_floor / dec_t:.2f}" if dec_t else "-", f"{mix_floor / mix_t:.2f}" if mix_t else "-",
                      f"{r.cores_busy:.2f} of {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}"])
     table("Roofline (same run)", ["run", "TFLOP", "GB moved", "floor s", "wall s", "floor gen tok/s", "gen tok/s",
-                            "fraction of roofline", "fraction (median ceilings)", "GFLOP/s", "GB/s",
-                            "decode steps: floor/time", "prefill+mixed steps: floor/time", "cores busy"], rows,
+                                  "fraction of roofline", "fraction (median ceilings)", "GFLOP/s", "GB/s",
+                                  "decode steps: floor/time", "prefill+mixed steps: floor/time", "cores busy"], rows,
           [f"ceilings: {bw / 1e9:.1f} GB/s, {fl / 1e9:.0f} GFLOP/s (best seen); median "
            f"{ceil['bandwidth_median'] / 1e9:.1f} GB/s, {ceil['flops_median'] / 1e9:.0f} GFLOP/s",
            f"model: {cost.num_params / 1e6:.1f}M params ({cost.weight_bytes / 1e6:.0f} MB read per step), "

@@ -648,7 +648,8 @@ def moe_table(tokens=(1, 8, 64, 256, 1024, 4096), quick: bool = False) -> list[d
     from jaxpaged.model import moe_mlp
 
     print("\n## Mixture of experts, one layer: the Triton kernel vs XLA's ragged dot, bf16")
-    shapes = (("qwen3-30b-a3b", 2048, MoeConfig(128, 8, 768, True)), ("mixtral-8x7b", 4096, MoeConfig(8, 2, 14336, True)))
+    shapes = (("qwen3-30b-a3b", 2048, MoeConfig(128, 8, 768, True)),
+              ("mixtral-8x7b", 4096, MoeConfig(8, 2, 14336, True)))
     if quick:
         shapes, tokens = (("tiny", 64, MoeConfig(8, 2, 32, True)),), (1, 16)
     interpret = jax.default_backend() != "gpu"

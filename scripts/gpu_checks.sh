@@ -41,7 +41,8 @@ for stage in "$@"; do
     case $stage in
         native)
             XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider \
-                tests/test_kernels.py tests/test_kv_fp8.py tests/test_moe.py -k "Native or native" 2>&1 | grep -v -E "$quiet" | tail -15 \
+                tests/test_kernels.py tests/test_kv_fp8.py tests/test_moe.py -k "Native or native" 2>&1 \
+                | grep -v -E "$quiet" | tail -15 \
                 | tee "$out/native.txt" ;;
         mosaic)
             timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_stacked_matmul.py -k mosaic_native 2>&1 \
