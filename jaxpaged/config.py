@@ -100,6 +100,11 @@ class MoeConfig:
         return (self.intermediate_size,) + ((self.shared_intermediate_size,) if self.shared_intermediate_size else ())
 
 
+# transformers' defaults for the keys a config leaves out: experts, experts a token, an
+# expert's width, the shared expert's width.
+_MOE_DEFAULTS = {"mixtral": (8, 2, 14336, 0), "qwen2_moe": (60, 4, 1408, 5632), "qwen3_moe": (128, 8, 768, 0)}
+
+
 def _moe_config(d: dict[str, Any], model_type: str) -> MoeConfig | None:
     """The experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config, None for a dense model."""
     if model_type not in MOE_MODEL_TYPES:
@@ -111,18 +116,16 @@ def _moe_config(d: dict[str, Any], model_type: str) -> MoeConfig | None:
         if dense or step != 1:
             raise ValueError(f"unsupported: dense MLP layers among the expert layers (mlp_only_layers={dense}, "
                              f"decoder_sparse_step={step}); every layer must be a mixture of experts")
-    experts = d.get("num_local_experts") or d.get("num_experts")
-    if not experts:
-        raise ValueError(f"{model_type} config has no num_local_experts / num_experts")
+    experts, top_k, width, shared = _MOE_DEFAULTS[model_type]
+    experts = int(d.get("num_local_experts") or d.get("num_experts") or experts)
+    top_k = int(d.get("num_experts_per_tok", top_k))
     if model_type == "mixtral":
-        return MoeConfig(num_experts=int(experts), top_k=int(d.get("num_experts_per_tok", 2)),
-                         intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
-                         hf_block="block_sparse_moe", hf_experts=("w1", "w3", "w2"))
-    return MoeConfig(num_experts=int(experts), top_k=int(d.get("num_experts_per_tok", 2)),
-                     intermediate_size=int(d["moe_intermediate_size"]),
-                     norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                     shared_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
-                     if model_type == "qwen2_moe" else 0)
+        return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=int(d.get("intermediate_size", width)),
+                         norm_topk_prob=True, hf_block="block_sparse_moe", hf_experts=("w1", "w3", "w2"))
+    if model_type == "qwen2_moe":
+        shared = int(d["shared_expert_intermediate_size"] or 0) if "shared_expert_intermediate_size" in d else shared
+    return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=int(d.get("moe_intermediate_size", width)),
+                     norm_topk_prob=bool(d.get("norm_topk_prob", False)), shared_intermediate_size=shared)
 
 
 # The ``model_type``s whose checkpoints load (and any architecture named ``*Llama*``).
@@ -198,12 +201,15 @@ class LlamaConfig:
         if rs is not None:
             rope_theta = rope_theta if rope_theta is not None else rs.get("rope_theta")
             scaling = _rope_scaling(rs, int(d.get("max_position_embeddings", 2048)))
+        moe = _moe_config(d, model_type)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
+            # A mixture of experts' own (unused) MLP width may be left out.
+            intermediate_size=int(d["intermediate_size"] if moe is None or "intermediate_size" in d
+                                  else moe.intermediate_size),
             num_layers=int(d["num_hidden_layers"]),
             num_heads=int(num_heads),
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
@@ -217,7 +223,7 @@ class LlamaConfig:
             eos_token_ids=eos_ids,
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(d.get("qkv_bias", True))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            moe=_moe_config(d, model_type),
+            moe=moe,
         )
 
     @classmethod

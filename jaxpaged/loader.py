@@ -183,14 +183,14 @@ def plan_tensors(cfg: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], source
         want = {(i,) for i in range(cfg.num_layers)} if experts is None else {
             (i, j) for i in range(cfg.num_layers) for j in experts}
         missing = sorted(want - got)
-        if missing:
-            layers = sorted({i for i, *_ in missing})
-            rule = pat.replace("\\", "")
-            if experts is not None:
-                names = sorted({j for _, j in missing})
-                rule = rule.replace("(d+)", f"{{{','.join(map(str, names[:8]))}{',...' if len(names) > 8 else ''}}}")
-            errors.append(f"missing tensor model.layers.{{{','.join(map(str, layers[:8]))}"
-                          f"{',...' if len(layers) > 8 else ''}}}.{rule}")
+        rule = pat.replace("\\", "")
+        if missing and experts is not None:  # each (layer, expert) named: sets of each would read as more
+            names = [f"model.layers.{i}.{rule.replace('(d+)', str(j))}" for i, j in missing]
+            errors.append(f"missing tensor {', '.join(names[:8])}"
+                          + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+        elif missing:
+            errors.append(f"missing tensor model.layers.{{{','.join(str(i) for i, in missing[:8])}"
+                          f"{',...' if len(missing) > 8 else ''}}}.{rule}")
     placed = {p for p, i, _ in plan.values() if i is None}
     for p in expected:
         if p != "layers" and p not in placed:

@@ -363,8 +363,9 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: st
       (the whole ``[L, E, ...]`` ``we_gate``, ``we_up``, ``we_down``), read in place at
       ``layer`` (the stacked form's GPU path; ``interpret``: the Pallas interpreter, tests);
     - ``"per_expert"``: the CPU form's path (:func:`_experts_in_chunks`), over each expert's
-      own arrays ``we_gate_up_{e}`` ``[D, 2F]`` and ``we_down_{e}`` ``[F, D]`` in ``p``
-      (``out_in``: transposed, as the CPU form's layout has them; products by :func:`_cpu_dot`).
+      own arrays ``we_gate_up_{e}`` ``[D, 2F]`` and ``we_down_{e}`` ``[F, D]`` in ``p`` and the
+      shared expert's ``ws_gate_up`` and ``ws_down`` (``out_in``: transposed, as the CPU form's
+      layout has them; products by :func:`_cpu_dot`).
 
     Each token's ``top_k`` outputs are summed in float32, in rank order, on every path.
 
@@ -377,22 +378,24 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: st
     E = moe.num_experts
     routed = (tuple(f"we_gate_up_{e}" for e in range(E)) + tuple(f"we_down_{e}" for e in range(E))
               if experts == "per_expert" else ("we_gate", "we_up", "we_down"))
-    shared = ("ws_gate", "ws_up", "ws_down", "ws_router") if moe.shared_intermediate_size else ()
+    shared = () if not moe.shared_intermediate_size else ("ws_gate_up", "ws_down", "ws_router") if (
+        experts == "per_expert") else ("ws_gate", "ws_up", "ws_down", "ws_router")
     names = ("router",) + routed + shared
+    cpu_dot = functools.partial(_cpu_dot, out_in=out_in, precision=precision)
     weights = tuple(getattr(p, n)[...] for n in names)
 
     def local(h, *weights):
         w = dict(zip(names, weights))
         T, k, E = h.shape[0], moe.top_k, moe.num_experts
+        # The logits rounded to the model's dtype, as transformers' and vLLM's routers have them.
         logits = jax.lax.dot_general(h, w["router"], (((1,), (0,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32)
+                                     preferred_element_type=jnp.float32).astype(w["router"].dtype)
         probs, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [T, k], largest first
         if moe.norm_topk_prob:
             probs = probs / probs.sum(axis=-1, keepdims=True)
         flat = chosen.reshape(-1)  # pair t * k + j: token t's j-th expert
         if experts == "per_expert":
-            y = _experts_in_chunks(h, flat, k, [(w[f"we_gate_up_{e}"], w[f"we_down_{e}"]) for e in range(E)],
-                                   functools.partial(_cpu_dot, out_in=out_in, precision=precision))
+            y = _experts_in_chunks(h, flat, k, [(w[f"we_gate_up_{e}"], w[f"we_down_{e}"]) for e in range(E)], cpu_dot)
         elif experts == "pallas":
             plan = moe_matmul.align_to_tiles(flat, E, moe_matmul.default_block_t(T * k, E))
             xs = jnp.where((plan.rows < T * k)[:, None], h[jnp.minimum(plan.rows, T * k - 1) // k], 0)
@@ -410,10 +413,14 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: st
             y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in pair order
         out = (y.astype(jnp.float32).reshape(T, k, -1) * probs[:, :, None]).sum(axis=1)
         if moe.shared_intermediate_size:
-            a = jax.nn.silu(jnp.dot(h, w["ws_gate"], precision=precision)) * jnp.dot(h, w["ws_up"],
-                                                                                     precision=precision)
-            gate = jax.nn.sigmoid(jnp.dot(h, w["ws_router"], precision=precision).astype(jnp.float32))
-            out = out + jnp.dot(a, w["ws_down"], precision=precision).astype(jnp.float32) * gate[:, None]
+            if experts == "per_expert":  # the CPU form's: gate and up fused, in its layout
+                g, u = jnp.split(cpu_dot(h, w["ws_gate_up"]), 2, axis=1)
+                shared = cpu_dot(jax.nn.silu(g) * u, w["ws_down"])
+            else:
+                g, u = (jnp.dot(h, w[n], precision=precision) for n in ("ws_gate", "ws_up"))
+                shared = jnp.dot(jax.nn.silu(g) * u, w["ws_down"], precision=precision)
+            gate = jax.nn.sigmoid(jnp.dot(h, w["ws_router"].astype(h.dtype), precision=precision).astype(jnp.float32))
+            out = out + shared.astype(jnp.float32) * gate[:, None]
         if mesh is not None:
             out = jax.lax.psum(out, sharding.TP)
         return out.astype(h.dtype)
@@ -441,7 +448,11 @@ def _experts_in_chunks(h, flat, k: int, weights: list, dot):
     model's attention with 8 experts of 768 (2 a token) in its MLP, the decode forward at 1 /
     8 / 48 rows on a 2-vCPU Intel Xeon (``scripts/bench_moe.py``): 29 / 141 / 351 ms this way,
     52 / 459 / 2,867 with each pair's weights gathered, 197 / 407 / 1,001 through
-    ``ragged_dot``, 162 / 286 / 565 looping over static slices of the stacks."""
+    ``ragged_dot``, 162 / 286 / 565 looping over static slices of the stacks. The price is
+    compile time: a step's program holds a branch per layer and expert (one step of a tiny
+    8-layer model with 128 experts compiled in 54 s, 16 layers in 87 s: minutes for
+    Qwen3-30B-A3B's 48 x 128); one body shared by the layers would need the experts stacked
+    and sliced, which XLA:CPU copies (not built)."""
     E = len(weights)
     M = flat.shape[0]
     C = min(64, 1 << max(0, (-(-M // E) - 1).bit_length()))
@@ -530,17 +541,15 @@ class FusedLayer(nnx.Module):
     Qwen2's ``bqkv`` ``[(N + 2K) * H]`` (its q, k, v biases in the columns' order), Qwen3's
     ``q_norm`` and ``k_norm`` ``[H]``. A mixture of experts has, instead of ``w_gate_up`` and
     ``w_down``, each expert's ``we_gate_up_{e}`` ``[D, 2F]`` and ``we_down_{e}`` ``[F, D]``
-    (transposed with ``out_in``), the ``router`` and, with a shared expert, the stack's ``ws_*``
-    arrays (:func:`moe_mlp`). Built from :func:`fused_layer_arrays` once they are on the device.
+    (transposed with ``out_in``), the ``router`` and, with a shared expert, ``ws_gate_up``,
+    ``ws_down`` (as ``w_gate_up`` and ``w_down``) and ``ws_router`` ``[D]`` (:func:`moe_mlp`).
+    Built from :func:`fused_layer_arrays` once they are on the device.
     """
 
     def __init__(self, arrays: dict, *, out_in: bool = False):
         self.out_in = out_in
         for name, a in arrays.items():
             setattr(self, name, nnx.Param(a))
-
-
-_MOE_PARAMS = ("router", "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router")
 
 
 def fused_layer_arrays(stacked: DecoderLayer, i: int, *, out_in: bool = False) -> dict[str, np.ndarray]:
@@ -557,11 +566,14 @@ def fused_layer_arrays(stacked: DecoderLayer, i: int, *, out_in: bool = False) -
               "wo": weight(take("wo").reshape(-1, D)),
               "post_attn_norm": take("post_attn_norm")}
     if hasattr(stacked, "router"):  # each expert in arrays of its own, gate and up fused (see moe_mlp)
-        arrays |= {n: take(n) for n in _MOE_PARAMS if hasattr(stacked, n) and not n.startswith("we_")}
+        arrays["router"] = take("router")
         gate, up, down = take("we_gate"), take("we_up"), take("we_down")
         for e in range(gate.shape[0]):
             arrays[f"we_gate_up_{e}"] = weight(np.concatenate([gate[e], up[e]], axis=1))
             arrays[f"we_down_{e}"] = weight(down[e])
+        if hasattr(stacked, "ws_gate"):  # Qwen2-MoE's shared expert, as a dense MLP
+            arrays["ws_gate_up"] = weight(np.concatenate([take("ws_gate"), take("ws_up")], axis=1))
+            arrays["ws_down"], arrays["ws_router"] = weight(take("ws_down")), take("ws_router")
     else:
         arrays |= {"w_gate_up": weight(np.concatenate([take("w_gate"), take("w_up")], axis=1)),
                    "w_down": weight(take("w_down"))}

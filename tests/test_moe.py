@@ -84,6 +84,8 @@ def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
     h = rng.standard_normal((tokens, D)).astype(np.float32)
     own = {f"we_gate_up_{e}": np.concatenate([w["we_gate"][e], w["we_up"][e]], axis=1) for e in range(6)}
     own |= {f"we_down_{e}": w["we_down"][e] for e in range(6)}  # the CPU form's arrays
+    if shared:
+        own["ws_gate_up"] = np.concatenate([w["ws_gate"], w["ws_up"]], axis=1)
     params = types.SimpleNamespace(**{k: jnp.asarray(v) for k, v in (w | own).items()})
     want = numpy_moe(h, w, moe)
     # The kernel reads layer 1 of stacks whose other layers are other weights.
@@ -246,14 +248,28 @@ def test_a_missing_expert_is_named(tiny_moe, tmp_path):
     block, up = ("block_sparse_moe", "w3") if arch == "mixtral" else ("mlp", "up_proj")
     tensors = load_file(folder / "model.safetensors")
     del tensors[f"model.layers.1.{block}.experts.2.{up}.weight"]
+    del tensors[f"model.layers.0.{block}.experts.1.{up}.weight"]
     tensors[f"model.layers.0.{block}.experts.9.{up}.weight"] = np.zeros((4, 4), np.float32)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(CheckpointError) as e:
         load_model(tmp_path)
     msg = str(e.value)
-    assert f"missing tensor model.layers.{{1}}.{block}.experts.{{2}}.{up}.weight" in msg, msg
+    assert (f"missing tensor model.layers.0.{block}.experts.1.{up}.weight, "
+            f"model.layers.1.{block}.experts.2.{up}.weight") in msg, msg  # each, not {0,1} x {1,2}
     assert f"unexpected tensor 'model.layers.0.{block}.experts.9.{up}.weight'" in msg, msg
+
+
+def test_keys_left_out_take_transformers_defaults():
+    base = dict(QWEN_SHAPES, model_type="qwen2_moe")
+    del base["intermediate_size"]  # unused by an all-expert model
+    for model_type, (experts, top_k, width, shared) in {"mixtral": (8, 2, 14336, 0), "qwen2_moe": (60, 4, 1408, 5632),
+                                                         "qwen3_moe": (128, 8, 768, 0)}.items():
+        moe = LlamaConfig.from_hf(base | {"model_type": model_type}).moe
+        assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size) == (
+            experts, top_k, width, shared), model_type
+    no_shared = LlamaConfig.from_hf(base | {"shared_expert_intermediate_size": 0})
+    assert no_shared.moe.shared_intermediate_size == 0
 
 
 @pytest.mark.parametrize("change, match", [
