@@ -46,6 +46,21 @@ def random_params(cfg, seed: int = 0) -> dict:
                         _abstract_params(cfg))
 
 
+def decode_metadata(lens: np.ndarray, tables: np.ndarray, block_size: int):
+    """The attention metadata of a decode step: row ``i`` adds its token at position
+    ``lens[i] - 1`` of a sequence whose blocks are ``tables[i]``."""
+    import jax.numpy as jnp
+
+    from jaxpaged.attention import AttentionMetadata
+
+    S, last = len(lens), np.asarray(lens) - 1
+    return AttentionMetadata(positions=jnp.asarray(last, jnp.int32),
+                             slot_mapping=jnp.asarray(tables[np.arange(S), last // block_size] * block_size
+                                                      + last % block_size, jnp.int32),
+                             block_tables=jnp.asarray(tables), context_lens=jnp.asarray(lens, jnp.int32),
+                             query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), decode_only=True)
+
+
 # ---- machine ------------------------------------------------------------------------
 
 

@@ -48,7 +48,6 @@ def child(args) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpaged.attention import AttentionMetadata
     from jaxpaged.config import LlamaConfig
     from jaxpaged.kv_cache import KVPool, write_kv
     from jaxpaged.model import apply_rope, rms_norm, rope_inv_freq
@@ -83,16 +82,12 @@ def child(args) -> dict:
         from jaxpaged import runner
         from jaxpaged.loader import build_model
         from jaxpaged.model import runtime_form
-        from bench_common import random_params
+        from bench_common import decode_metadata, random_params
 
         model = runtime_form(build_model(cfg, random_params(cfg), dtype=jnp.float32))
         parts = runner.split_model(model)
         kv, bt = pool_and_table(lens)
-        last = lens - 1
-        md = AttentionMetadata(positions=jnp.asarray(last, jnp.int32),
-                               slot_mapping=jnp.asarray(bt[np.arange(R), last // BS] * BS + last % BS, jnp.int32),
-                               block_tables=jnp.asarray(bt), context_lens=jnp.asarray(lens, jnp.int32),
-                               query_start_loc=jnp.arange(R + 1, dtype=jnp.int32), decode_only=True)
+        md = decode_metadata(lens, bt, BS)
         tokens, idx, box = jnp.asarray(rng.integers(0, V, R), jnp.int32), jnp.arange(R), [kv]
 
         forward = runner.StepPrograms().forward

@@ -372,7 +372,7 @@ def forward_rows(batches, reps, ctx=170, spread=60, trace=False):
     import jaxpaged.model as model_mod
     from jaxpaged.config import LlamaConfig
     from jaxpaged.loader import build_model
-    from bench_common import host_op_times, random_params
+    from bench_common import decode_metadata, host_op_times, random_params
 
     cfg = LlamaConfig.smollm2_135m()
     model = model_mod.runtime_form(build_model(cfg, random_params(cfg), dtype=DTYPE))
@@ -416,11 +416,7 @@ def forward_rows(batches, reps, ctx=170, spread=60, trace=False):
         pools = [KVPool(jnp.asarray(rng.standard_normal(shape, dtype=np.float32)),
                         jnp.asarray(rng.standard_normal(shape, dtype=np.float32))) for _ in range(2)]
         tables = 1 + rng.permutation(S * W).reshape(S, W).astype(np.int32)
-        last = lens - 1
-        md = AttentionMetadata(positions=jnp.asarray(last, jnp.int32),
-                               slot_mapping=jnp.asarray(tables[np.arange(S), last // BS] * BS + last % BS, jnp.int32),
-                               block_tables=jnp.asarray(tables), context_lens=jnp.asarray(lens, jnp.int32),
-                               query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), decode_only=True)
+        md = decode_metadata(lens, tables, BS)
         tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, S), jnp.int32)
         whole = compile_forward(params, pools[0], tokens, md)
         with without_attention():

@@ -24,12 +24,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import alternating_runs, random_params, table
+from bench_common import alternating_runs, decode_metadata, random_params, table
 from flax import nnx
 
 import jaxpaged.model as model_mod
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.attention import AttentionMetadata
 from jaxpaged.config import LlamaConfig, MoeConfig
 from jaxpaged.kv_cache import KVPool
 from jaxpaged.loader import LoadedModel, build_model
@@ -45,11 +44,7 @@ def forward_times(models: dict, rows: list[int], reps: int, ctx: int = 170, spre
         lens = np.full(S, ctx) if S == 1 else rng.integers(ctx - spread, ctx + spread + 1, S)
         W = -(-int(lens.max()) // BS)
         tables = 1 + rng.permutation(S * W).reshape(S, W).astype(np.int32)
-        last = lens - 1
-        md = AttentionMetadata(positions=jnp.asarray(last, jnp.int32),
-                               slot_mapping=jnp.asarray(tables[np.arange(S), last // BS] * BS + last % BS, jnp.int32),
-                               block_tables=jnp.asarray(tables), context_lens=jnp.asarray(lens, jnp.int32),
-                               query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), decode_only=True)
+        md = decode_metadata(lens, tables, BS)
         steps = {}
         for name, model in models.items():
             cfg = model.cfg

@@ -145,12 +145,19 @@ def make_tiny_qwen(folder, arch: str, *, tie: bool, seed: int = 0):
     torch.manual_seed(seed)
     config, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     model = model_cls(config(**QWEN_SHAPES, tie_word_embeddings=tie)).eval()
+    _randomise_norms_and_biases(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def _randomise_norms_and_biases(model) -> None:
+    """HF initialises norms to ones and biases to zeros, which would leave them untested."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return model
 
 
 # Mixtral (4 experts, 2 a token), Qwen2-MoE (8 experts, 2 a token, a shared expert, tied) and
@@ -176,10 +183,7 @@ def make_tiny_moe(folder, arch: str, *, seed: int = 0):
                          "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
     shapes = {k: v for k, v in QWEN_SHAPES.items() if k != "intermediate_size"}
     model = model_cls(config(**shapes, **MOE_ARCHS[arch])).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.3 * torch.randn_like(p))
+    _randomise_norms_and_biases(model)
     model.save_pretrained(folder)
     return model
 

@@ -11,15 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from conftest import MOE_ARCHS, QWEN_SHAPES, make_tiny_moe
-from paged import step_metadata
+from paged import assert_prefill_then_decode_match_hf, hf_logits
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import LlamaConfig, MoeConfig
-from jaxpaged.kv_cache import init_kv_pool
 from jaxpaged.loader import CheckpointError, load_model
 from jaxpaged.model import moe_mlp
 from jaxpaged.pallas.moe_matmul import align_to_tiles, default_block_t, moe_matmul, num_tiles
@@ -32,11 +30,6 @@ def tiny_moe(request, tmp_path_factory):
     arch = request.param
     folder = tmp_path_factory.mktemp(arch)
     return arch, folder, make_tiny_moe(folder, arch)
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
 
 
 # ---- the expert layer alone -------------------------------------------------------------
@@ -199,22 +192,7 @@ def test_prefill_then_decode_match_hf(tiny_moe, form):
     arch, folder, hf = tiny_moe
     lm = load_model(folder, dtype=np.float32, attention_backend="xla")
     model = lm.model if form == "stacked" else lm.model.unstacked(form)
-    cfg = lm.config
-    rng = np.random.default_rng(1)
-    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (13, 6)]
-    per_seq = 8
-    kv = init_kv_pool(cfg.num_layers, 1 + per_seq * len(seqs), cfg.num_kv_heads, BS, cfg.head_dim)
-    md = step_metadata([0, 0], [len(s) for s in seqs], block_size=BS, blocks_per_seq=per_seq)
-    logits, kv = model(np.array(sum(seqs, []), np.int32), kv, md)
-    np.testing.assert_allclose(np.asarray(logits[:len(seqs[0])]), hf_logits(hf, seqs[0]), atol=1e-4, rtol=0)
-    for step in range(3):
-        nxt = [int(rng.integers(0, cfg.vocab_size)) for _ in seqs]
-        md = step_metadata([len(s) for s in seqs], [1, 1], block_size=BS, blocks_per_seq=per_seq)
-        logits, kv = model(np.array(nxt, np.int32), kv, md)
-        for i, (s, t) in enumerate(zip(seqs, nxt)):
-            s.append(t)
-            np.testing.assert_allclose(np.asarray(logits[i]), hf_logits(hf, s)[-1], atol=1e-4, rtol=0,
-                                       err_msg=f"{arch} sequence {i}, step {step}")
+    assert_prefill_then_decode_match_hf(model, lm.config, hf, label=arch, block_size=BS, steps=3)
 
 
 def test_engine_greedy_tokens_and_logprobs_match_hf(tiny_moe):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import QWEN_SHAPES as SHAPES
 from conftest import make_tiny_qwen
-from paged import step_metadata
+from paged import assert_prefill_then_decode_match_hf, hf_logits, step_metadata
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import LlamaConfig
@@ -26,11 +26,6 @@ def tiny_qwen(request, tmp_path_factory):
     return arch, folder, make_tiny_qwen(folder, arch, tie=tie)
 
 
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
 def test_config_says_what_the_architecture_adds(tiny_qwen):
     arch, folder, _ = tiny_qwen
     cfg = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
@@ -44,22 +39,7 @@ def test_prefill_then_decode_match_hf(tiny_qwen, form):
     arch, folder, hf = tiny_qwen
     lm = load_model(folder, dtype=np.float32, attention_backend="xla")
     model = lm.model if form == "stacked" else lm.model.unstacked(form)
-    cfg = lm.config
-    rng = np.random.default_rng(1)
-    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (13, 6)]
-    per_seq = 8
-    kv = init_kv_pool(cfg.num_layers, 1 + per_seq * len(seqs), cfg.num_kv_heads, BS, cfg.head_dim)
-    md = step_metadata([0, 0], [len(s) for s in seqs], block_size=BS, blocks_per_seq=per_seq)
-    logits, kv = model(np.array(sum(seqs, []), np.int32), kv, md)
-    np.testing.assert_allclose(np.asarray(logits[:len(seqs[0])]), hf_logits(hf, seqs[0]), atol=1e-4, rtol=0)
-    for step in range(4):
-        nxt = [int(rng.integers(0, cfg.vocab_size)) for _ in seqs]
-        md = step_metadata([len(s) for s in seqs], [1, 1], block_size=BS, blocks_per_seq=per_seq)
-        logits, kv = model(np.array(nxt, np.int32), kv, md)
-        for i, (s, t) in enumerate(zip(seqs, nxt)):
-            s.append(t)
-            np.testing.assert_allclose(np.asarray(logits[i]), hf_logits(hf, s)[-1], atol=1e-4, rtol=0,
-                                       err_msg=f"{arch} sequence {i}, step {step}")
+    assert_prefill_then_decode_match_hf(model, lm.config, hf, label=arch, block_size=BS)
 
 
 def test_engine_greedy_tokens_match_hf_generate(tiny_qwen):
