@@ -386,7 +386,7 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: st
 
     def local(h, *weights):
         w = dict(zip(names, weights))
-        T, k, E = h.shape[0], moe.top_k, moe.num_experts
+        T, k = h.shape[0], moe.top_k
         # The logits rounded to the model's dtype, as transformers' and vLLM's routers have them.
         logits = jax.lax.dot_general(h, w["router"], (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32).astype(w["router"].dtype)
