@@ -6,9 +6,11 @@ import pytest
 # Keep XLA:CPU from grabbing every core per test process and from preallocating.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-# XLA:CPU's code generation, quick: LLVM without optimization and the older fusion emitters.
-# The suite compiles hundreds of programs, and on 2 vCPUs each took ~1.1 s, 0.35 s with these
-# flags (12 step shapes of the tiny engine model: 13.2 -> 4.0 s); the same HLO, run by
+# XLA:CPU's code generation, quick: LLVM without optimization, each program's kernels in one
+# LLVM module instead of modules split for parallel code generation, and the older fusion
+# emitters. The suite compiles hundreds of programs, and on 2 vCPUs each took ~1.1 s, 0.35 s
+# with these flags (12 step shapes of the tiny engine model: 13.2 -> 4.0 s; one module: six
+# engine test files at -n 2 from an empty cache 297 -> 280 and 298 -> 264 s); the same HLO, run by
 # slower machine code (the 1,000-request traffic test on the 49152-token tiny model:
 # compilation 222 -> 63 s, the rest 87 -> 170 s, most of it the sampler's scalar loops over
 # the vocabulary; the longest tiny-model tests now use ``small_vocab_engine_model``).
@@ -19,7 +21,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 def _quick_codegen_flags() -> str:
     import importlib.metadata
 
-    flags = "--xla_backend_optimization_level=0"
+    flags = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
     try:
         version = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:3])
     except (importlib.metadata.PackageNotFoundError, ValueError):

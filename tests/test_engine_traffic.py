@@ -7,7 +7,7 @@ Two tiers over the same traffic (``traffic.py``) and the same public loop (``add
 - 2,400 requests whose steps run ``OracleRunner`` (no model, so no compilation): it checks
   every context it reads back through the block tables, so paging bugs fail there, and
   draws any pool size;
-- 600 requests on the tiny random model itself (its 20480-token variant: the sampler's
+- 400 requests on the tiny random model itself (its 20480-token variant: the sampler's
   work shrinks with the vocabulary), where tokens come from the real kernels and sampler.
   Compiling ~150 step shapes is most of what this tier costs (the model and the sampler
   compile separately, so their shapes add up).
@@ -34,7 +34,7 @@ import pytest
 import traffic
 
 ORACLE_ROUNDS, ORACLE_REQUESTS = 80, 30
-MODEL_ROUNDS, MODEL_REQUESTS = 30, 20  # (50 rounds until the 51st session: the suite's time)
+MODEL_ROUNDS, MODEL_REQUESTS = 20, 20  # (50 rounds until the 51st session, 30 until the 53rd: suite time)
 ROOMY = dict(block_size=16, num_blocks=160, max_num_seqs=8, max_num_batched_tokens=256,
              max_model_len=traffic.MAX_MODEL_LEN, enable_prefix_caching=False, async_scheduling=False)
 
@@ -259,10 +259,10 @@ def test_random_traffic_with_a_budget_of_five_compiled_programs(small_vocab_engi
 
 
 @pytest.mark.long
-def test_random_traffic_600_requests_on_the_tiny_model(small_vocab_engine_model):
+def test_random_traffic_400_requests_on_the_tiny_model(small_vocab_engine_model):
     t = run_rounds(small_vocab_engine_model, oracle=False, rounds=range(100, 100 + MODEL_ROUNDS),
                    num_requests=MODEL_REQUESTS)
-    assert t["requests"] >= 600 and t["compared"] >= 420
+    assert t["requests"] >= 400 and t["compared"] >= 280
     for key in COVERAGE:
         assert t[key] > 0, (key, t)
 
