@@ -104,12 +104,21 @@ def test_cli_main_command(smollm_first_load):
     assert "1 requests" in r.stderr and "tok/s" in r.stderr and "peak KV utilization" in r.stderr
 
 
+BACKEND_GREEDY = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def reference_backend_tokens(smollm, chat_prompts):
+    """The pure-jnp reference backend's 32 greedy tokens for three chat prompts (run once)."""
+    prompts = [{"prompt_token_ids": p} for p in chat_prompts[:3]]
+    outs = LLM(smollm, attention_backend="reference", num_blocks=64).generate(prompts, BACKEND_GREEDY, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_backends_give_reference_greedy_tokens(smollm, chat_prompts, backend):
+def test_backends_give_reference_greedy_tokens(smollm, reference_backend_tokens, backend):
     """The default model through each attention backend: the same 32 greedy tokens as the
     pure-jnp reference backend (pallas runs in interpret mode on CPU)."""
-    prompts = [{"prompt_token_ids": p} for p in chat_prompts[:3]]
-    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
-    ref = LLM(smollm, attention_backend="reference", num_blocks=64).generate(prompts, params, use_tqdm=False)
-    got = LLM(smollm, attention_backend=backend, num_blocks=64).generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    prompts, ref = reference_backend_tokens
+    got = LLM(smollm, attention_backend=backend, num_blocks=64).generate(prompts, BACKEND_GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == ref
