@@ -155,7 +155,7 @@ def smollm_engines(smollm):
 @pytest.mark.parametrize("kinds", [
     [SamplingParams(temperature=0, max_tokens=40, logprobs=2),
      SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40),
-     SamplingParams(temperature=0, max_tokens=40, stop=["grape"], min_tokens=3)],
+     SamplingParams(temperature=0, max_tokens=40, stop=["fig", "return fib"], min_tokens=3)],
     [SamplingParams(temperature=0.7, seed=5, max_tokens=40, repetition_penalty=1.1, frequency_penalty=0.2)],
 ], ids=["greedy-logprobs-seeded-stop-string", "penalties"])
 def test_the_default_model_gives_the_same_tokens_with_drafts(smollm_engines, kinds):
@@ -165,14 +165,18 @@ def test_the_default_model_gives_the_same_tokens_with_drafts(smollm_engines, kin
     before = drafting.stats()
     want = plain.generate(prompts, params, use_tqdm=False)
     got = drafting.generate(prompts, params, use_tqdm=False)
+    stopped = 0
     for w, g, sp in zip(want, got, params):
         a, b = w.outputs[0], g.outputs[0]
         assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, a.finish_reason,
                                                                           a.stop_reason)
+        stopped += bool(sp.stop) and b.stop_reason in sp.stop
         if sp.logprobs:
             assert [set(x) for x in b.logprobs] == [set(x) for x in a.logprobs]
             np.testing.assert_allclose([x[t].logprob for x, t in zip(b.logprobs, b.token_ids)],
                                        [x[t].logprob for x, t in zip(a.logprobs, a.token_ids)], atol=1e-4)
+    # The list's "fig" and the function's "return fib" end two completions, in their drafts' stretch.
+    assert stopped == (2 if any(sp.stop for sp in params) else 0)
     after = drafting.stats()
     assert after["spec_num_accepted_tokens"] > before["spec_num_accepted_tokens"]
     assert after["num_used_blocks"] == 0
