@@ -164,9 +164,9 @@ class LLM:
         if runner not in RUNNERS:
             raise ValueError(f"runner={runner!r}; choose from {RUNNERS}")
         if (cfg := _model_config(model)) is not None and cfg.moe is not None:  # before devices or weights
-            for on, what in ((lora_config is not None, "enable_lora"), (enable_dp_attention, "enable_dp_attention")):
-                if on:
-                    raise ValueError(f"{what} is not supported for a mixture-of-experts model ({_source(model)})")
+            if enable_dp_attention:
+                raise ValueError(f"enable_dp_attention is not supported for a mixture-of-experts model "
+                                 f"({_source(model)})")
         ensure_compilation_cache()  # also where the model comes built: before the engine compiles
         args = EngineArgs(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_model_len,
                           max_num_batched_tokens, enable_prefix_caching, preemption_mode, swap_space,

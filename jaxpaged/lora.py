@@ -4,7 +4,7 @@ A request names its adapter with a :class:`LoRARequest` (``LLM.generate(...,
 lora_request=...)``; the server's ``model`` field, ``--lora-modules``). The adapter is a PEFT
 folder (``adapter_config.json`` and ``adapter_model.safetensors``, as ``save_pretrained``
 writes it) with low-rank updates ``W + (alpha / r) B A`` to any of the attention and MLP
-projections. The engine never merges them into the base weights:
+projections (a mixture of experts: the attention projections). The engine never merges them into the base weights:
 
 - :class:`LoRAManager` (host) loads an adapter the first time a request names it, checks it
   against the model (shapes, rank at most ``max_lora_rank``, nothing PEFT stores that this
@@ -79,11 +79,16 @@ class LoRAConfig:
 
 
 def module_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """Each projection's ``(in, out)`` features in a model of config ``cfg``."""
+    """Each projection an adapter may update in a model of config ``cfg``, ``(in, out)`` features,
+    in :data:`MODULES`' order: all seven, or for a mixture of experts the four attention
+    projections (as vLLM's LoRA did for MoE models before its fused-experts kernels: the
+    experts, the router and a shared expert take no adapter)."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
-            "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+    attention = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D)}
+    if getattr(cfg, "moe", None) is not None:
+        return attention
+    return {**attention, "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
 
 
 @dataclasses.dataclass
@@ -141,8 +146,9 @@ def load_adapter(req: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in shapes or int(m.group(1)) >= L:
+            moe = " (a mixture of experts' adapters update its attention only)" if len(shapes) < len(MODULES) else ""
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA update this engine applies (the {L} layers' "
-                             f"{', '.join(MODULES)})")
+                             f"{', '.join(shapes)}{moe})")
         found[int(m.group(1)), m.group(2)][m.group(3)] = t
     if not found:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
@@ -201,7 +207,7 @@ def _set_slot(weights, slot, new):
 class LoRASlots:
     """``max_loras`` adapters on the device, for one model runner (see the module docstring).
 
-    ``weights``: per layer, per module of :data:`MODULES`, ``(A [S, R, in], B [out, S, R])`` in
+    ``weights``: per layer, per module of :func:`module_shapes`, ``(A [S, R, in], B [out, S, R])`` in
     ``dtype``, placed with ``sharding`` (replicated over a tensor-parallel mesh): arrays of their
     own per layer, which the CPU form's layer branches read in place (a slice of stacked arrays
     would be copied every layer of every step), each contracted over its minor axes, the layout

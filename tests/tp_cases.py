@@ -194,10 +194,11 @@ def tiny_moe(tmp_path_factory):
     return folder
 
 
-def test_moe_on_two_devices_matches_one(tiny_moe):
+def test_moe_on_two_devices_matches_one(tiny_moe, tmp_path):
     """Every expert's (and the shared expert's) MLP width split over two devices: one device's
-    logits and greedy tokens, straight through the model and through the engine, and one
-    all-reduce for the experts in each layer, as for a dense MLP."""
+    logits and greedy tokens, straight through the model and through the engine (a LoRA adapter
+    on the attention beside the base model), and one all-reduce for the experts in each layer,
+    as for a dense MLP."""
     lm = load_model(tiny_moe)
     assert lm.config.moe.shared_intermediate_size
     _, want_tokens, want = greedy_logits(lm.model)
@@ -226,9 +227,19 @@ def test_moe_on_two_devices_matches_one(tiny_moe):
     assert in_layers == [("all-reduce", (3, cfg.hidden_size), "attention"),
                          ("all-reduce", (3, cfg.hidden_size), "mlp")], ops
 
+    from paged import write_lora_adapter
+
+    from jaxpaged import LoRARequest
+
     prompts = [p for p in PROMPTS if max(p) < cfg.vocab_size]
-    one, two = LLM(lm, **ENGINE), LLM(tiny_moe, tensor_parallel_size=2, **ENGINE)
-    assert_same_outputs(two.generate(prompts, GREEDY, use_tqdm=False), one.generate(prompts, GREEDY, use_tqdm=False))
+    lora = LoRARequest("a", 1, str(write_lora_adapter(tmp_path / "a", cfg, rank=4, alpha=8, modules=(
+        "q_proj", "k_proj", "v_proj", "o_proj"))))
+    loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
+    one, two = LLM(lm, enable_lora=True, **ENGINE), LLM(tiny_moe, tensor_parallel_size=2, enable_lora=True, **ENGINE)
+    want = one.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    assert_same_outputs(two.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False), want)
+    base = one.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert want[0].outputs[0].token_ids != base[0].outputs[0].token_ids  # the adapter changes the tokens
 
 
 def test_swap_preemption_keeps_the_pool_sharded(tiny, engines):
