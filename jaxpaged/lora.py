@@ -4,7 +4,8 @@ A request names its adapter with a :class:`LoRARequest` (``LLM.generate(...,
 lora_request=...)``; the server's ``model`` field, ``--lora-modules``). The adapter is a PEFT
 folder (``adapter_config.json`` and ``adapter_model.safetensors``, as ``save_pretrained``
 writes it) with low-rank updates ``W + (alpha / r) B A`` to any of the attention and MLP
-projections (a mixture of experts: the attention projections). The engine never merges them into the base weights:
+projections (a mixture of experts: the attention projections). The engine never merges them
+into the base weights:
 
 - :class:`LoRAManager` (host) loads an adapter the first time a request names it, checks it
   against the model (shapes, rank at most ``max_lora_rank``, nothing PEFT stores that this
