@@ -390,7 +390,9 @@ def moe_mlp(h: Float[Array, "T D"], p, moe: MoeConfig, precision, *, experts: st
         # The logits rounded to the model's dtype, as transformers' and vLLM's routers have them.
         logits = jax.lax.dot_general(h, w["router"], (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32).astype(w["router"].dtype)
-        probs, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [T, k], largest first
+        # The softmax in float32 (transformers', vLLM's): in bfloat16, experts whose probabilities differ
+        # by less than its ~0.4% step tie, and top_k takes the lower index of the two.
+        probs, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), k)  # [T, k], largest first
         if moe.norm_topk_prob:
             probs = probs / probs.sum(axis=-1, keepdims=True)
         flat = chosen.reshape(-1)  # pair t * k + j: token t's j-th expert

@@ -91,6 +91,37 @@ def test_expert_layer_paths_match_a_per_token_loop(tokens, norm, shared):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=experts)
 
 
+@pytest.mark.parametrize("experts", ["grouped", "per_expert"])
+def test_a_16bit_router_picks_the_experts_of_a_float32_softmax(experts):
+    """A bfloat16 model's routing, as transformers' and vLLM's: the router's logits rounded to
+    bfloat16, the softmax over them in float32, so a token's experts are its k largest logits
+    (in bfloat16 probabilities within its ~0.4% step tied, and the lower expert won). Each expert
+    writes only its own output channel, so the channels a token's output fills are its experts.
+    The stacked form (bfloat16 activations) and the CPU form of a bfloat16 model (float32)."""
+    E, K, D, F, T = 64, 8, 64, 16, 512
+    rng = np.random.default_rng(0)
+    moe = MoeConfig(num_experts=E, top_k=K, intermediate_size=F, norm_topk_prob=True)
+    down = np.zeros((E, F, D), np.float32)
+    down[np.arange(E), :, np.arange(E)] = rng.uniform(0.5, 1.0, (E, F))
+    w = {"router": rng.normal(0, 0.5 / np.sqrt(D), (D, E)), "we_gate": rng.normal(0, D ** -0.5, (E, D, F)),
+         "we_up": rng.normal(0, D ** -0.5, (E, D, F)), "we_down": down}
+    w |= {f"we_gate_up_{e}": np.concatenate([w["we_gate"][e], w["we_up"][e]], axis=1) for e in range(E)}
+    w |= {f"we_down_{e}": down[e] for e in range(E)}
+    params = types.SimpleNamespace(**{k: jnp.asarray(v, jnp.bfloat16) for k, v in w.items()})
+    h = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16 if experts == "grouped" else jnp.float32)
+    y = np.asarray(moe_mlp(h, params, moe, None, experts=experts), np.float32)
+    logits = np.asarray(jax.lax.dot_general(h, params.router, (((1,), (0,)), ((), ())),
+                                            preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float32)
+    ranked = -np.sort(-logits, axis=1)
+    clear = ranked[:, K - 1] > ranked[:, K]  # a tie at the k-th place goes either way
+    assert clear.mean() > 0.9
+    want = np.sort(np.argsort(-logits, axis=1, kind="stable")[:, :K], axis=1)
+    got = np.array([np.flatnonzero(row) for row in y])  # K experts a token: K channels
+    assert got.shape == (T, K)
+    wrong = np.flatnonzero(clear & (got != want).any(axis=1))
+    assert wrong.size == 0, (f"{wrong.size} of {clear.sum()} tokens routed elsewhere", wrong[:5])
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 70), st.integers(1, 9), st.sampled_from([1, 2, 16]), st.data())
 def test_tile_plan_puts_every_pair_once_in_a_tile_of_its_expert(M, E, block_t, data):
