@@ -117,7 +117,8 @@ def _moe_config(d: dict[str, Any], model_type: str) -> MoeConfig | None:
             raise ValueError(f"unsupported: dense MLP layers among the expert layers (mlp_only_layers={dense}, "
                              f"decoder_sparse_step={step}); every layer must be a mixture of experts")
     experts, top_k, width, shared = _MOE_DEFAULTS[model_type]
-    experts = int(d.get("num_local_experts") or d.get("num_experts") or experts)
+    given = [d[k] for k in ("num_local_experts", "num_experts") if d.get(k) is not None]
+    experts = int(given[0]) if given else experts  # 0 is refused below, not taken for the default
     top_k = int(d.get("num_experts_per_tok", top_k))
     if model_type == "mixtral":
         return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=int(d.get("intermediate_size", width)),

@@ -287,6 +287,7 @@ def test_keys_left_out_take_transformers_defaults():
     ({"mlp_only_layers": [1]}, r"dense MLP layers among the expert layers \(mlp_only_layers=\[1\]"),
     ({"decoder_sparse_step": 2}, r"decoder_sparse_step=2\)"),
     ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be between 1 and num_experts=8"),
+    ({"num_experts": 0}, r"num_experts_per_tok=2 must be between 1 and num_experts=0"),
 ])
 def test_unsupported_expert_configs_are_refused(change, match):
     d = dict(QWEN_SHAPES, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
