@@ -122,9 +122,7 @@ def load_adapter(req: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
         raise ValueError(f"{where}: peft_type {conf.get('peft_type')!r}; only LORA adapters are supported")
     for key, ok, what in (("use_dora", lambda v: not v, "DoRA"), ("bias", lambda v: v in (None, "none"), "bias"),
                           ("modules_to_save", lambda v: not v, "modules_to_save"),
-                          ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out"),
-                          ("rank_pattern", lambda v: not v, "per-module ranks"),
-                          ("alpha_pattern", lambda v: not v, "per-module alphas")):
+                          ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out")):
         if not ok(conf.get(key)):
             raise ValueError(f"{where}: {key}={conf[key]!r} ({what}) is not supported")
     r, alpha = conf.get("r"), conf.get("lora_alpha")
@@ -147,10 +145,15 @@ def load_adapter(req: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in shapes or int(m.group(1)) >= L:
-            moe = " (a mixture of experts' adapters update its attention only)" if len(shapes) < len(MODULES) else ""
+            moe = len(shapes) < len(MODULES) and (m is None or m.group(2) not in shapes)
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA update this engine applies (the {L} layers' "
-                             f"{', '.join(shapes)}{moe})")
+                             f"{', '.join(shapes)}{' (a mixture of experts: its attention only)' if moe else ''})")
         found[int(m.group(1)), m.group(2)][m.group(3)] = t
+    # After the tensors' names: PEFT's "all-linear" on a mixture of experts writes a rank_pattern for
+    # the experts, whose tensors are the reason to name.
+    for key, what in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
+        if conf.get(key):
+            raise ValueError(f"{where}: {key}={conf[key]!r} ({what}) is not supported")
     if not found:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -222,9 +225,10 @@ class LoRASlots:
 
         S, R = config.max_loras, config.max_lora_rank
         self.num_slots, self.rank, self.dtype = S, R, dtype
-        shapes = tuple(module_shapes(cfg).values())
+        shapes = module_shapes(cfg)
+        self.modules = tuple(shapes)  # each layer's tuple of (A, B), in this order
         self.weights = tuple(tuple((jax.device_put(jnp.zeros((S, R, i), dtype), sharding),
-                                    jax.device_put(jnp.zeros((o, S, R), dtype), sharding)) for i, o in shapes)
+                                    jax.device_put(jnp.zeros((o, S, R), dtype), sharding)) for i, o in shapes.values())
                              for _ in range(cfg.num_layers))
         self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
         self._set = jax.jit(_set_slot)
@@ -253,6 +257,6 @@ class LoRASlots:
                 for a, b in layer] for layer in self.weights]
         for name, (wa, wb) in adapter.weights.items():
             for layer, arrays in enumerate(new):
-                a, b = arrays[MODULES.index(name)]
+                a, b = arrays[self.modules.index(name)]
                 a[:adapter.rank], b[:, :adapter.rank] = wa[layer].T, wb[layer].T
         self.weights = self._set(self.weights, slot, tuple(map(tuple, new)))

@@ -242,6 +242,9 @@ def test_what_is_refused_is_named_before_anything_runs(lora_setup, tmp_path):
     saved = _copy_adapter(a.lora_path, tmp_path / "saved", modules_to_save=["lm_head"])
     with pytest.raises(ValueError, match="modules_to_save"):
         llm.add_request([1, 2], GREEDY, lora_request=LoRARequest("s", 9, str(saved)))
+    ranks = _copy_adapter(a.lora_path, tmp_path / "ranks", rank_pattern={"q_proj": 4})
+    with pytest.raises(ValueError, match=r"rank_pattern=\{'q_proj': 4\} \(per-module ranks\) is not supported"):
+        llm.add_request([1, 2], GREEDY, lora_request=LoRARequest("r", 30, str(ranks)))
     for name, change in (("head", {"base_model.model.lm_head.lora_A.weight": np.ones((8, 64), np.float32)}),
                          ("shape", {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
                                     np.ones((8, 32), np.float32)})):

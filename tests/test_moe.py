@@ -361,12 +361,14 @@ def test_lora_on_the_attention_matches_peft(tiny_moe, tmp_path):
         assert o.outputs[0].token_ids == want, (arch, n)
     assert llm.stats()["num_used_blocks"] == 0
 
-    mlp = tmp_path / "mlp"
+    mlp = tmp_path / "mlp"  # with a rank_pattern, as PEFT's "all-linear" writes for the experts: the tensor is named
     shutil.copytree(tmp_path / "qv", mlp)
+    conf = json.loads((mlp / "adapter_config.json").read_text())
+    (mlp / "adapter_config.json").write_text(json.dumps(conf | {"rank_pattern": {r".*\.gate_up_proj": 2}}))
     tensors = load_file(mlp / "adapter_model.safetensors")
     key = "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
     save_file({**tensors, key: np.ones((2, QWEN_SHAPES["hidden_size"]), np.float32)}, mlp / "adapter_model.safetensors")
-    only = r"q_proj, k_proj, v_proj, o_proj \(a mixture of experts' adapters update its attention only\)"
+    only = r"q_proj, k_proj, v_proj, o_proj \(a mixture of experts: its attention only\)"
     with pytest.raises(ValueError, match=f"tensor '{key}' is not a LoRA update this engine applies .*{only}"):
         llm.add_request([1, 2], SamplingParams(max_tokens=1), lora_request=LoRARequest("mlp", 9, str(mlp)))
 
