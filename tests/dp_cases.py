@@ -183,16 +183,16 @@ def test_random_traffic_with_drafts_on_two_replicas(model):
     assert totals["compared"] >= 150 and 0 < totals["accepted_tokens"] < totals["draft_tokens"]
 
 
-@pytest.mark.parametrize("dp_attention", [False, True])
-def test_drafts_on_two_replicas_give_the_tokens_of_one_without(model, dp_attention):
-    """Periodic prompts, greedy and seeded, on two replicas (as separate programs or one) with
-    drafts: the tokens one replica gives without drafts, drafts checked on both replicas."""
+# With dp-attention only (suite time): separate replicas draft under the random traffic above.
+def test_drafts_on_two_replicas_give_the_tokens_of_one_without(model):
+    """Periodic prompts, greedy and seeded, on two replicas run as one program, with drafts: the
+    tokens one replica gives without drafts, drafts checked on both replicas."""
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": (rng.integers(3, 300, int(p)).tolist() * 20)[:24]} for p in (1, 2, 3, 2, 1, 3)]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)] * 3
     one = LLM(model, **ENGINE).generate(prompts, params, use_tqdm=False)
-    llm = LLM(model, data_parallel_size=2, enable_dp_attention=dp_attention, speculative_config=SPEC, **ENGINE)
+    llm = LLM(model, data_parallel_size=2, enable_dp_attention=True, speculative_config=SPEC, **ENGINE)
     two = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     assert all(p.num_draft_tokens > 0 for p in llm.scheduler.parts)

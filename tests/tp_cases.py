@@ -238,7 +238,8 @@ def test_moe_on_two_devices_matches_one(tiny_moe, tmp_path):
     one, two = LLM(lm, enable_lora=True, **ENGINE), LLM(tiny_moe, tensor_parallel_size=2, enable_lora=True, **ENGINE)
     want = one.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
     assert_same_outputs(two.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False), want)
-    base = one.generate(prompts[:1], GREEDY, use_tqdm=False)
+    base = one.generate(prompts[:1], GREEDY, use_tqdm=False)  # steps without an adapter: the program without LoRA
+    assert_same_outputs(two.generate(prompts[:1], GREEDY, use_tqdm=False), base)
     assert want[0].outputs[0].token_ids != base[0].outputs[0].token_ids  # the adapter changes the tokens
 
 
