@@ -87,7 +87,7 @@ def module_shapes(cfg) -> dict[str, tuple[int, int]]:
     D, F = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D)}
-    if getattr(cfg, "moe", None) is not None:
+    if cfg.moe is not None:
         return attention
     return {**attention, "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
 
@@ -145,7 +145,7 @@ def load_adapter(req: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in shapes or int(m.group(1)) >= L:
-            moe = len(shapes) < len(MODULES) and (m is None or m.group(2) not in shapes)
+            moe = cfg.moe is not None and (m is None or m.group(2) not in shapes)
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA update this engine applies (the {L} layers' "
                              f"{', '.join(shapes)}{' (a mixture of experts: its attention only)' if moe else ''})")
         found[int(m.group(1)), m.group(2)][m.group(3)] = t

@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from conftest import MOE_ARCHS, QWEN_SHAPES, make_tiny_moe
 from paged import assert_prefill_then_decode_match_hf, hf_logits, step_metadata
 
-from jaxpaged import LLM, SamplingParams
+from jaxpaged import LLM, LoRARequest, SamplingParams
 from jaxpaged.config import LlamaConfig, MoeConfig
+from jaxpaged.kv_cache import init_kv_pool
 from jaxpaged.loader import CheckpointError, load_model
+from jaxpaged.lora import LoRAConfig, LoRAManager, LoRASlots
 from jaxpaged.model import moe_mlp
 from jaxpaged.pallas.moe_matmul import align_to_tiles, default_block_t, moe_matmul, num_tiles
 
@@ -318,10 +320,6 @@ def test_lora_on_the_attention_matches_peft(tiny_moe, tmp_path):
     import torch
     from peft import LoraConfig, get_peft_model
     from safetensors.numpy import load_file, save_file
-
-    from jaxpaged import LoRARequest
-    from jaxpaged.kv_cache import init_kv_pool
-    from jaxpaged.lora import LoRAConfig, LoRAManager, LoRASlots
 
     arch, folder, hf = tiny_moe
     lm = load_model(folder, dtype=np.float32)
